@@ -1,0 +1,61 @@
+"""ldformat: differential training checkpoints for PyTorch.
+
+A chain is periodic full anchors (safetensors) plus per-step deltas (Zarr v3) and an
+append-only commit log. See ``spec/ldformat.md`` for the format.
+"""
+
+from .compact import CompactionPlan, compact, truncate
+from .errors import (
+    ChainError,
+    ChainExistsError,
+    ChainLockedError,
+    CorruptChainError,
+    EmptyChainError,
+    LdformatError,
+    MissingObjectError,
+    NotAChainError,
+    ReplayEnvironmentWarning,
+    StepNotFoundError,
+    UnsupportedStateError,
+    UnsupportedVersionError,
+    UsageError,
+    WriterIOError,
+)
+from .manifest import FORMAT_VERSION, KINDS
+from .reader import ChainReader
+from .store import LocalStore, Store
+from .topk import TopK
+from .validate import Problem, ValidationReport, validate
+from .writer import ChainWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMAT_VERSION",
+    "KINDS",
+    "ChainError",
+    "ChainExistsError",
+    "ChainLockedError",
+    "ChainReader",
+    "ChainWriter",
+    "CompactionPlan",
+    "CorruptChainError",
+    "EmptyChainError",
+    "LdformatError",
+    "LocalStore",
+    "MissingObjectError",
+    "NotAChainError",
+    "Problem",
+    "ReplayEnvironmentWarning",
+    "StepNotFoundError",
+    "Store",
+    "TopK",
+    "UnsupportedStateError",
+    "UnsupportedVersionError",
+    "UsageError",
+    "ValidationReport",
+    "WriterIOError",
+    "compact",
+    "truncate",
+    "validate",
+]

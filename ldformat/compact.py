@@ -1,0 +1,329 @@
+"""Compaction, retention and truncation (spec §12).
+
+All three rewrite what the chain *references*, never an existing object: new anchors and
+merged deltas are written under fresh names and made durable, then one ``snapshot`` record
+states the whole new chain, and only then are unreferenced objects removed. A crash at any
+point leaves the chain valid (before or after the snapshot), and a reader that still holds
+the old view re-reads the log when an object it needs has gone.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .anchor import encode_anchor
+from .delta import Segment, encode_batch
+from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
+from .garbage import remove_unreferenced, unreferenced_objects
+from .jsonvalue import crc32c_hex
+from .lock import WriterLock
+from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry, log_path
+from .reader import ChainReader
+from .store import Store
+
+
+@dataclass
+class CompactionPlan:
+    """What a compaction does (or, with ``dry_run``, would do)."""
+
+    kept_steps: list[int] = field(default_factory=list)
+    dropped_steps: list[int] = field(default_factory=list)
+    new_anchors: list[int] = field(default_factory=list)
+    dropped_anchors: list[int] = field(default_factory=list)
+    merged_deltas: list[tuple[int, int]] = field(default_factory=list)
+    removed_objects: list[str] = field(default_factory=list)
+    committed: bool = False
+
+    @property
+    def changes_references(self) -> bool:
+        return bool(self.dropped_steps or self.new_anchors or self.dropped_anchors or self.merged_deltas)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kept_steps": len(self.kept_steps),
+            "dropped_steps": self.dropped_steps,
+            "new_anchors": self.new_anchors,
+            "dropped_anchors": self.dropped_anchors,
+            "merged_deltas": [list(m) for m in self.merged_deltas],
+            "removed_objects": self.removed_objects,
+            "committed": self.committed,
+        }
+
+
+def _kept_steps(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
+    if keep_last is None and keep_every is None:
+        return list(steps)
+    if keep_last is not None and keep_last < 1:
+        raise UsageError("keep_last must be >= 1")
+    if keep_every is not None and keep_every < 1:
+        raise UsageError("keep_every must be >= 1")
+    latest = steps[-1]
+    kept = {latest}
+    for s in steps:
+        if keep_last is not None and s > latest - keep_last:
+            kept.add(s)
+        if keep_every is not None and s % keep_every == 0:
+            kept.add(s)
+    return sorted(kept)
+
+
+def _original_path(state: ChainState, step: int, stop: int) -> list[int] | None:
+    """Delta steps leading from ``stop`` to ``step`` in the existing chain, or None."""
+    out = []
+    s = step
+    while s != stop:
+        entry = state.deltas.get(s)
+        if entry is None or s < stop:
+            return None
+        out.append(s)
+        s = entry[1].base
+    return list(reversed(out))
+
+
+def compact(
+    path: str | os.PathLike[str],
+    *,
+    max_replay: int | None = None,
+    keep_last: int | None = None,
+    keep_every: int | None = None,
+    dry_run: bool = False,
+    store: Store | None = None,
+    break_lock: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> CompactionPlan:
+    """Bound replay length, apply retention and remove garbage.
+
+    Args:
+        max_replay: no kept step may need more than this many deltas replayed; longer runs
+            are folded into new anchors (xor deltas of dropped steps are merged exactly).
+        keep_last: keep the newest ``keep_last`` steps materializable.
+        keep_every: also keep every step that is a multiple of ``keep_every``.
+        dry_run: compute and return the plan without changing anything.
+
+    Every step that stays materializes bit-identically before and after. Running it twice
+    changes nothing the second time.
+    """
+    if max_replay is not None and max_replay < 0:
+        raise UsageError("max_replay must be >= 0")
+    reader = ChainReader(path, store=store)
+    lock = None if dry_run else WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)[0]
+    try:
+        if lock is not None:
+            reader.refresh()
+        return _compact(reader, max_replay, keep_last, keep_every, dry_run, progress)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _compact(reader: ChainReader, max_replay: int | None, keep_last: int | None, keep_every: int | None,
+             dry_run: bool, progress: Callable[[str, int, int], None] | None) -> CompactionPlan:
+    state = reader.state
+    plan = CompactionPlan()
+    if state.latest_step is None:
+        plan.removed_objects = unreferenced_objects(reader.store, state)
+        if not dry_run:
+            remove_unreferenced(reader.store, state)
+        return plan
+    limit = max_replay if max_replay is not None else float("inf")
+    steps = state.steps
+    kept = _kept_steps(steps, keep_last, keep_every)
+    plan.kept_steps = kept
+    plan.dropped_steps = sorted(set(steps) - set(kept))
+    depth: dict[int, int] = {}
+    keep_delta: dict[int, StepEntry] = {}
+    merges: dict[int, tuple[int, list[int]]] = {}
+    kept_anchors: set[int] = set()
+    prev: int | None = None
+    for t in kept:
+        entry = state.deltas.get(t)
+        if t in state.anchors:
+            depth[t] = 0
+            kept_anchors.add(t)
+        elif entry is not None and entry[1].base in depth and depth[entry[1].base] + 1 <= limit:
+            depth[t] = depth[entry[1].base] + 1
+            keep_delta[t] = entry[1]
+        elif (
+            reader.kind == "state.xor"
+            and prev is not None
+            and depth[prev] + 1 <= limit
+            and (p := _original_path(state, t, prev)) is not None
+        ):
+            depth[t] = depth[prev] + 1
+            merges[t] = (prev, p)
+        else:
+            depth[t] = 0
+            plan.new_anchors.append(t)
+        prev = t
+    plan.dropped_anchors = sorted(set(state.anchors) - kept_anchors)
+    plan.merged_deltas = [(b, t) for t, (b, _) in sorted(merges.items())]
+    # Deltas at anchored steps are not needed once the anchor exists.
+    dropped_deltas = sorted(s for s in state.deltas if s not in keep_delta)
+    if not plan.changes_references and not dropped_deltas:
+        plan.removed_objects = unreferenced_objects(reader.store, state)
+        if not dry_run:
+            remove_unreferenced(reader.store, state)
+        return plan
+    if dry_run:
+        new_state = _planned_state(state, kept_anchors, keep_delta)
+        plan.removed_objects = sorted(state.referenced_objects() - new_state.referenced_objects())
+        return plan
+
+    written: list[str] = []
+    anchors: list[AnchorEntry] = [state.anchors[s] for s in sorted(kept_anchors)]
+    for n, t in enumerate(plan.new_anchors, 1):
+        anchors.append(_write_anchor(reader, t, written))
+        if progress:
+            progress("anchors", n, len(plan.new_anchors))
+    deltas = _rebuild_delta_entries(state, keep_delta)
+    if merges:
+        deltas.append(_write_merged(reader, merges, written))
+    try:
+        reader.store.sync(written)
+    except OSError as e:
+        raise WriterIOError(f"{reader.path}: syncing compaction objects failed: {e.strerror or e}") from None
+    _commit_snapshot(reader, anchors, deltas, "compact")
+    plan.committed = True
+    reader.refresh()
+    plan.removed_objects = remove_unreferenced(reader.store, reader.state)
+    return plan
+
+
+def _planned_state(state: ChainState, anchors: set[int], keep_delta: dict[int, StepEntry]) -> ChainState:
+    new = ChainState()
+    for s in anchors:
+        new.anchors[s] = state.anchors[s]
+    for s in keep_delta:
+        new.deltas[s] = state.deltas[s]
+    return new
+
+
+def _rebuild_delta_entries(state: ChainState, keep: dict[int, StepEntry]) -> list[DeltaEntry]:
+    by_path: dict[str, tuple[DeltaEntry, list[StepEntry]]] = {}
+    for s in sorted(keep):
+        entry, step_entry = state.deltas[s]
+        by_path.setdefault(entry.path, (entry, []))[1].append(step_entry)
+    return [
+        DeltaEntry(path=e.path, objects=e.objects, slots=e.slots, rows=e.rows, steps=tuple(steps))
+        for e, steps in by_path.values()
+    ]
+
+
+def _write_object(reader: ChainReader, path: str, data: bytes, written: list[str]) -> ObjectRef:
+    try:
+        reader.store.write(path, data)
+    except OSError as e:
+        raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
+    written.append(path)
+    return ObjectRef(path=path, size=len(data), crc32c=crc32c_hex(data))
+
+
+def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorEntry:
+    anchor_step, path = reader.state.replay_path(step)
+    replayer = reader.start_replay(anchor_step)
+    reader.replay_steps(replayer, path)
+    replayer.sync_optimizer_tensors()
+    # Residuals of a top-k compressor are only valid at the anchor that stored them.
+    tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor/")}
+    data = encode_anchor(tensors, step)
+    ref = _write_object(reader, f"anchors/{step}-{secrets.token_hex(4)}.safetensors", data, written)
+    return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra)
+
+
+def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]], written: list[str]) -> DeltaEntry:
+    """XOR the deltas of each merged run into one delta per kept step (exact)."""
+    state = reader.state
+    slots: list[SlotInfo] = []
+    slot_index: dict[str, int] = {}
+    rows: list[dict[int, Segment]] = []
+    entries: list[StepEntry] = []
+    cache: dict[str, Any] = {}
+    for t, (base, path) in sorted(merges.items()):
+        acc: dict[str, np.ndarray] = {}
+        info: dict[str, SlotInfo] = {}
+        for s in path:
+            d, se = state.deltas[s]
+            batch = cache.get(d.path)
+            if batch is None:
+                batch = cache[d.path] = reader.load_batch(d, s)
+            row = batch.row(se.row)
+            for name in acc:
+                if name not in row:
+                    raise ChainError(f"{reader.path}: {name} disappears between steps {base} and {t}; cannot merge")
+            for name, (_, vals) in row.items():
+                info[name] = next(sl for sl in d.slots if sl.name == name)
+                acc[name] = vals.copy() if name not in acc else np.bitwise_xor(acc[name], vals)
+        row_out: dict[int, Segment] = {}
+        for name, vals in acc.items():
+            j = slot_index.get(name)
+            if j is None:
+                j = slot_index[name] = len(slots)
+                slots.append(info[name])
+            row_out[j] = (None, vals)
+        last = state.deltas[t][1]
+        entries.append(StepEntry(step=t, base=base, row=len(rows), stepped=True, hyper=None,
+                                 param_groups=last.param_groups, extra=last.extra))
+        rows.append(row_out)
+    first, last_step = entries[0].step, entries[-1].step
+    group = f"deltas/{first}-{last_step}-{secrets.token_hex(4)}"
+    objects = encode_batch(slots, rows, {"kind": reader.kind, "first": first, "last": last_step, "merged": True})
+    refs = []
+    for key, data in sorted(objects.items()):
+        ref = _write_object(reader, f"{group}/{key}", data, written)
+        refs.append(ObjectRef(path=key, size=ref.size, crc32c=ref.crc32c))
+    return DeltaEntry(path=group, objects=tuple(refs), slots=tuple(slots), rows=len(rows), steps=tuple(entries))
+
+
+def _commit_snapshot(reader: ChainReader, anchors: list[AnchorEntry], deltas: list[DeltaEntry], reason: str) -> None:
+    from .writer import _now
+
+    state = reader.state
+    record = Record(
+        seq=state.last_seq + 1,
+        type="snapshot",
+        prev=state.last_checksum,
+        time=_now(),
+        writer=f"{socket.gethostname()}:{os.getpid()}",
+        reason=reason,
+        anchors=tuple(sorted(anchors, key=lambda a: a.step)),
+        deltas=tuple(deltas),
+    )
+    try:
+        reader.store.create_exclusive(log_path(record.seq), record.to_bytes())
+    except FileExistsError:
+        raise ChainError(f"{reader.path}: another writer committed concurrently; nothing was changed") from None
+    except OSError as e:
+        raise WriterIOError(f"{reader.path}/{log_path(record.seq)}: {e.strerror or e}; the chain is unchanged") from None
+
+
+def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,
+             break_lock: bool = False) -> list[int]:
+    """Remove every step after ``after`` (rewind after a loss spike). Returns the removed steps.
+
+    Crash-safe: one snapshot record switches the chain to the truncated view. A writer can
+    then re-open the chain and append from ``after + 1``.
+    """
+    reader = ChainReader(path, store=store)
+    lock, _ = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)
+    try:
+        reader.refresh()
+        state = reader.state
+        if after not in state.anchors and after not in state.deltas:
+            raise StepNotFoundError(f"{reader.path}: step {after} is not in the chain; nothing was changed")
+        removed = [s for s in state.steps if s > after]
+        if removed:
+            anchors = [a for s, a in state.anchors.items() if s <= after]
+            keep = {s: e for s, (_, e) in state.deltas.items() if s <= after}
+            _commit_snapshot(reader, anchors, _rebuild_delta_entries(state, keep), f"truncate after {after}")
+            reader.refresh()
+        remove_unreferenced(reader.store, reader.state)
+        return removed
+    finally:
+        lock.release()

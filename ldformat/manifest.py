@@ -1,0 +1,472 @@
+"""Root metadata and the commit log (spec §4 "Root metadata" and §5 "Commit log").
+
+The log is a directory of immutable, exclusively created JSON records ``log/<seq>.json``.
+The visible state of a chain is the result of applying the records in sequence order,
+starting at the newest ``snapshot`` record (or at record 1). This module parses and
+validates records and folds them into a :class:`ChainState`; it does no tensor work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CorruptChainError, NotAChainError, UnsupportedVersionError
+from .jsonvalue import canonical, verify_checksum, with_checksum
+from .store import Store, check_relative_path
+
+FORMAT_NAME = "ldformat"
+FORMAT_VERSION = "1.0"
+FORMAT_MAJOR = 1
+ROOT_FILE = "ldformat.json"
+LOG_DIR = "log"
+LOCK_FILE = "writer.lock"
+KINDS = ("grad.topk", "grad.dense", "state.xor")
+_LOG_NAME = re.compile(r"^log/(\d{12})\.json$")
+
+
+def log_path(seq: int) -> str:
+    return f"{LOG_DIR}/{seq:012d}.json"
+
+
+def _check_fields(doc: dict[str, Any], known: set[str], where: str) -> None:
+    for key, value in doc.items():
+        if key in known:
+            continue
+        if isinstance(value, dict) and value.get("must_understand") is False:
+            continue
+        raise UnsupportedVersionError(
+            f"{where}: unknown field {key!r} that must be understood; "
+            "upgrade ldformat to read this chain"
+        )
+
+
+def _require(doc: dict[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+    if key not in doc:
+        raise CorruptChainError(f"{where}: missing field {key!r}")
+    value = doc[key]
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
+        raise CorruptChainError(f"{where}: field {key!r} has the wrong type")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class ObjectRef:
+    """A stored object with the size and crc32c a reader must verify."""
+
+    path: str
+    size: int
+    crc32c: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> ObjectRef:
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: object reference is not an object")
+        _check_fields(d, {"path", "size", "crc32c"}, where)
+        path = check_relative_path(_require(d, "path", str, where))
+        size = _require(d, "size", int, where)
+        crc = _require(d, "crc32c", str, where)
+        if size < 0 or not re.fullmatch(r"[0-9a-f]{8}", crc):
+            raise CorruptChainError(f"{where}: malformed size or crc32c for {path}")
+        return cls(path=path, size=size, crc32c=crc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnchorEntry:
+    """A full state at ``step``: one safetensors object plus the JSON parts."""
+
+    step: int
+    object: ObjectRef
+    param_groups: Any
+    extra: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "object": self.object.to_dict(),
+            "param_groups": self.param_groups,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> AnchorEntry:
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: anchor entry is not an object")
+        _check_fields(d, {"step", "object", "param_groups", "extra"}, where)
+        step = _require(d, "step", int, where)
+        return cls(
+            step=step,
+            object=ObjectRef.from_dict(d.get("object"), f"{where} anchor {step}"),
+            param_groups=_require(d, "param_groups", list, where),
+            extra=_require(d, "extra", dict, where),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotInfo:
+    """One tensor carried by a delta batch (spec §8.2)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: str  # "sparse" | "dense" | "xor"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SlotInfo:
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: slot is not an object")
+        _check_fields(d, {"name", "dtype", "shape", "encoding"}, where)
+        enc = _require(d, "encoding", str, where)
+        if enc not in ("sparse", "dense", "xor"):
+            raise UnsupportedVersionError(f"{where}: unknown slot encoding {enc!r}")
+        shape = _require(d, "shape", list, where)
+        if not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise CorruptChainError(f"{where}: malformed shape")
+        return cls(name=_require(d, "name", str, where), dtype=_require(d, "dtype", str, where),
+                   shape=tuple(shape), encoding=enc)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEntry:
+    """What a reader needs to apply the delta of one step (spec §8.3)."""
+
+    step: int
+    base: int
+    row: int
+    stepped: bool
+    hyper: Any
+    param_groups: Any
+    extra: Any
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "base": self.base,
+            "row": self.row,
+            "stepped": self.stepped,
+            "hyper": self.hyper,
+            "param_groups": self.param_groups,
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> StepEntry:
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: step entry is not an object")
+        _check_fields(d, {"step", "base", "row", "stepped", "hyper", "param_groups", "extra"}, where)
+        step = _require(d, "step", int, where)
+        base = _require(d, "base", int, where)
+        if not 0 <= base < step:
+            raise CorruptChainError(f"{where}: step {step} has invalid base {base}")
+        hyper = d.get("hyper")
+        if hyper is not None and not isinstance(hyper, list):
+            raise CorruptChainError(f"{where}: step {step} has malformed hyper")
+        return cls(
+            step=step,
+            base=base,
+            row=_require(d, "row", int, where),
+            stepped=_require(d, "stepped", bool, where),
+            hyper=hyper,
+            param_groups=_require(d, "param_groups", list, where),
+            extra=_require(d, "extra", dict, where),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeltaEntry:
+    """One Zarr group holding a batch of step deltas."""
+
+    path: str
+    objects: tuple[ObjectRef, ...]
+    slots: tuple[SlotInfo, ...]
+    rows: int
+    steps: tuple[StepEntry, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "objects": [o.to_dict() for o in self.objects],
+            "slots": [s.to_dict() for s in self.slots],
+            "rows": self.rows,
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> DeltaEntry:
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: delta entry is not an object")
+        _check_fields(d, {"path", "objects", "slots", "rows", "steps"}, where)
+        path = check_relative_path(_require(d, "path", str, where))
+        w = f"{where} delta {path}"
+        rows = _require(d, "rows", int, w)
+        steps = tuple(StepEntry.from_dict(s, w) for s in _require(d, "steps", list, w))
+        for s in steps:
+            if not 0 <= s.row < rows:
+                raise CorruptChainError(f"{w}: step {s.step} points at row {s.row} of {rows}")
+        return cls(
+            path=path,
+            objects=tuple(ObjectRef.from_dict(o, w) for o in _require(d, "objects", list, w)),
+            slots=tuple(SlotInfo.from_dict(s, w) for s in _require(d, "slots", list, w)),
+            rows=rows,
+            steps=steps,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """One commit record. ``append`` adds entries; ``snapshot`` states the whole chain."""
+
+    seq: int
+    type: str
+    prev: str | None
+    time: str
+    writer: str
+    reason: str
+    anchors: tuple[AnchorEntry, ...]
+    deltas: tuple[DeltaEntry, ...]
+    checksum: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return with_checksum(
+            {
+                "seq": self.seq,
+                "type": self.type,
+                "prev": self.prev,
+                "time": self.time,
+                "writer": self.writer,
+                "reason": self.reason,
+                "anchors": [a.to_dict() for a in self.anchors],
+                "deltas": [d.to_dict() for d in self.deltas],
+            }
+        )
+
+    def to_bytes(self) -> bytes:
+        return canonical(self.to_dict()) + b"\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Record:
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptChainError(f"{where}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: record is not a JSON object")
+        verify_checksum(d, where)
+        _check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
+        rtype = _require(d, "type", str, where)
+        if rtype not in ("append", "snapshot"):
+            raise UnsupportedVersionError(f"{where}: unknown record type {rtype!r}")
+        prev = d.get("prev")
+        if prev is not None and not isinstance(prev, str):
+            raise CorruptChainError(f"{where}: malformed prev")
+        return cls(
+            seq=_require(d, "seq", int, where),
+            type=rtype,
+            prev=prev,
+            time=_require(d, "time", str, where),
+            writer=_require(d, "writer", str, where),
+            reason=_require(d, "reason", str, where),
+            anchors=tuple(AnchorEntry.from_dict(a, where) for a in _require(d, "anchors", list, where)),
+            deltas=tuple(DeltaEntry.from_dict(x, where) for x in _require(d, "deltas", list, where)),
+            checksum=_require(d, "checksum", str, where),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootMetadata:
+    """``ldformat.json``: written once when the chain is created."""
+
+    format_version: str
+    chain_id: str
+    created: str
+    kind: str
+    schema: dict[str, Any]
+    environment: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return with_checksum(
+            {
+                "format": FORMAT_NAME,
+                "format_version": self.format_version,
+                "chain_id": self.chain_id,
+                "created": self.created,
+                "kind": self.kind,
+                "schema": self.schema,
+                "environment": self.environment,
+            }
+        )
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> RootMetadata:
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CorruptChainError(f"{where}: not valid JSON") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise NotAChainError(f"{where}: not an ldformat root metadata file")
+        version = d.get("format_version")
+        m = re.fullmatch(r"(\d+)\.(\d+)", version) if isinstance(version, str) else None
+        if m is None:
+            raise CorruptChainError(f"{where}: malformed format_version {version!r}")
+        if int(m.group(1)) != FORMAT_MAJOR:
+            raise UnsupportedVersionError(
+                f"{where}: format version {version} is not supported by this reader "
+                f"(it reads {FORMAT_MAJOR}.x); use an ldformat release that supports it"
+            )
+        verify_checksum(d, where)
+        _check_fields(d, {"format", "format_version", "chain_id", "created", "kind", "schema",
+                          "environment", "checksum"}, where)
+        kind = _require(d, "kind", str, where)
+        if kind not in KINDS:
+            raise UnsupportedVersionError(f"{where}: unknown delta kind {kind!r}")
+        return cls(
+            format_version=version,
+            chain_id=_require(d, "chain_id", str, where),
+            created=_require(d, "created", str, where),
+            kind=kind,
+            schema=_require(d, "schema", dict, where),
+            environment=_require(d, "environment", dict, where),
+        )
+
+
+@dataclass
+class ChainState:
+    """The visible content of a chain after folding the log."""
+
+    anchors: dict[int, AnchorEntry] = field(default_factory=dict)
+    deltas: dict[int, tuple[DeltaEntry, StepEntry]] = field(default_factory=dict)
+    last_seq: int = 0
+    last_checksum: str | None = None
+    first_seq: int = 1
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(set(self.anchors) | set(self.deltas))
+
+    @property
+    def latest_step(self) -> int | None:
+        steps = self.steps
+        return steps[-1] if steps else None
+
+    def apply(self, record: Record) -> None:
+        if record.type == "snapshot":
+            self.anchors.clear()
+            self.deltas.clear()
+        for a in record.anchors:
+            self.anchors[a.step] = a
+        for d in record.deltas:
+            for s in d.steps:
+                self.deltas[s.step] = (d, s)
+        self.last_seq = record.seq
+        self.last_checksum = record.checksum
+
+    def referenced_objects(self) -> set[str]:
+        refs = {a.object.path for a in self.anchors.values()}
+        for d, _ in self.deltas.values():
+            refs.update(f"{d.path}/{o.path}" for o in d.objects)
+        return refs
+
+    def delta_entries(self) -> list[DeltaEntry]:
+        seen: dict[str, DeltaEntry] = {}
+        for d, _ in self.deltas.values():
+            seen.setdefault(d.path, d)
+        return list(seen.values())
+
+    def replay_path(self, step: int) -> tuple[int, list[int]]:
+        """Return (anchor step, delta steps to apply in order) that materialize ``step``."""
+        chain: list[int] = []
+        s = step
+        while s not in self.anchors:
+            entry = self.deltas.get(s)
+            if entry is None:
+                raise CorruptChainError(f"step {step} is not reachable: no anchor or delta for step {s}")
+            chain.append(s)
+            s = entry[1].base
+        chain.reverse()
+        return s, chain
+
+
+def read_root(store: Store, where: str) -> RootMetadata:
+    try:
+        data = store.read(ROOT_FILE)
+    except FileNotFoundError:
+        raise NotAChainError(f"{where}: not an ldformat chain (no {ROOT_FILE}); check the path") from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise NotAChainError(f"{where}: cannot read {ROOT_FILE}: {e.strerror}") from None
+    return RootMetadata.from_bytes(data, f"{where}/{ROOT_FILE}")
+
+
+def log_sequence_numbers(store: Store) -> list[int]:
+    seqs = []
+    for p in store.list(LOG_DIR):
+        m = _LOG_NAME.match(p)
+        if m:
+            seqs.append(int(m.group(1)))
+    return sorted(seqs)
+
+
+def read_log(store: Store, where: str) -> tuple[list[Record], ChainState]:
+    """Read, verify and fold the log. Records before the newest snapshot are skipped."""
+    seqs = log_sequence_numbers(store)
+    records: dict[int, Record] = {}
+    # Find the newest snapshot by reading from the end; records before it are superseded.
+    start_index = 0
+    for i in range(len(seqs) - 1, -1, -1):
+        rec = _read_record(store, seqs[i], where)
+        records[seqs[i]] = rec
+        if rec.type == "snapshot":
+            start_index = i
+            break
+    used = seqs[start_index:]
+    if used and records.get(used[0]) is None:
+        records[used[0]] = _read_record(store, used[0], where)
+    if used and records[used[0]].type != "snapshot" and used[0] != 1:
+        raise CorruptChainError(f"{where}/{log_path(1)}: the log does not start at record 1 and has no snapshot")
+    state = ChainState(first_seq=used[0] if used else 1)
+    out = []
+    expected = used[0] if used else 1
+    prev: str | None = None
+    for seq in used:
+        rec = records.get(seq) or _read_record(store, seq, where)
+        if seq != expected:
+            raise CorruptChainError(f"{where}/{log_path(expected)}: commit record missing (log jumps to {seq})")
+        if rec.seq != seq:
+            raise CorruptChainError(f"{where}/{log_path(seq)}: record says seq {rec.seq}")
+        if seq != used[0] and rec.prev != prev:
+            raise CorruptChainError(f"{where}/{log_path(seq)}: prev checksum does not match record {seq - 1}")
+        state.apply(rec)
+        prev = rec.checksum
+        expected += 1
+        out.append(rec)
+    return out, state
+
+
+def _read_record(store: Store, seq: int, where: str) -> Record:
+    path = log_path(seq)
+    try:
+        data = store.read(path)
+    except FileNotFoundError:
+        raise MissingLogRecord(f"{where}/{path}: commit record vanished while reading") from None
+    return Record.from_bytes(data, f"{where}/{path}")
+
+
+class MissingLogRecord(CorruptChainError):
+    pass

@@ -1,0 +1,246 @@
+"""Reading and materializing a chain (spec §11, "Reading").
+
+A reader never trusts what it reads: every object's size and crc32c are checked against
+the commit record before it is parsed, and nothing stored is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from .anchor import decode_anchor
+from .delta import DecodedBatch, decode_batch
+from .environment import differences
+from .errors import (
+    CorruptChainError,
+    EmptyChainError,
+    MissingObjectError,
+    NotAChainError,
+    ReplayEnvironmentWarning,
+    StepNotFoundError,
+)
+from .jsonvalue import crc32c_hex
+from .manifest import ChainState, DeltaEntry, ObjectRef, Record, RootMetadata, read_log, read_root
+from .replay import Replayer
+from .store import LocalStore, Store
+
+T = TypeVar("T")
+
+
+def open_store(path: str | os.PathLike[str], store: Store | None) -> Store:
+    if store is not None:
+        return store
+    p = Path(path)
+    if not p.exists():
+        raise NotAChainError(f"{p}: no such directory")
+    if not p.is_dir():
+        raise NotAChainError(f"{p}: not a directory, so not an ldformat chain")
+    return LocalStore(p)
+
+
+class ChainReader:
+    """Read-only access to a chain; safe alongside a writer and a compaction.
+
+    Args:
+        path: the chain directory.
+        store: an explicit :class:`~ldformat.store.Store` (defaults to a local directory).
+
+    Example:
+        >>> reader = ChainReader("runs/chain")                     # doctest: +SKIP
+        >>> state = reader.materialize(reader.latest_step)          # doctest: +SKIP
+        >>> model.load_state_dict(state["model"])                   # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None) -> None:
+        self.path = str(path)
+        self.store = open_store(path, store)
+        self.root: RootMetadata = read_root(self.store, self.path)
+        self._warned_env = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Re-read the log to see commits made since the reader was opened."""
+        self.records: list[Record]
+        self.records, self.state = read_log(self.store, self.path)
+
+    @property
+    def kind(self) -> str:
+        return self.root.kind
+
+    @property
+    def steps(self) -> list[int]:
+        return self.state.steps
+
+    @property
+    def anchors(self) -> list[int]:
+        return sorted(self.state.anchors)
+
+    @property
+    def latest_step(self) -> int | None:
+        return self.state.latest_step
+
+    # -- objects -----------------------------------------------------------------------
+    def read_object(self, ref: ObjectRef, step: int | None = None, prefix: str = "") -> bytes:
+        """Read an object and verify its size and crc32c against the log."""
+        path = f"{prefix}/{ref.path}" if prefix else ref.path
+        where = f"{self.path}/{path}" + (f" (step {step})" if step is not None else "")
+        try:
+            data = self.store.read(path)
+        except FileNotFoundError:
+            raise MissingObjectError(f"{where}: object is missing; run `ldtools validate` on the chain") from None
+        except IsADirectoryError:
+            raise CorruptChainError(f"{where}: expected a file, found a directory") from None
+        if len(data) != ref.size:
+            raise CorruptChainError(f"{where}: size {len(data)} differs from the committed {ref.size} (truncated?)")
+        if crc32c_hex(data) != ref.crc32c:
+            raise CorruptChainError(f"{where}: crc32c mismatch (the object was modified or damaged)")
+        return data
+
+    def load_anchor_tensors(self, step: int) -> dict[str, torch.Tensor]:
+        entry = self.state.anchors[step]
+        data = self.read_object(entry.object, step)
+        return decode_anchor(data, step, f"{self.path}/{entry.object.path}")
+
+    def load_batch(self, entry: DeltaEntry, step: int | None = None) -> DecodedBatch:
+        objects = {o.path: self.read_object(o, step, entry.path) for o in entry.objects}
+        return decode_batch(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}")
+
+    # -- materialize -------------------------------------------------------------------
+    def _check_step(self, step: int | None) -> int:
+        latest = self.latest_step
+        if latest is None:
+            raise EmptyChainError(f"{self.path}: the chain has no committed step yet")
+        if step is None:
+            return latest
+        if step not in self.state.anchors and step not in self.state.deltas:
+            steps = self.steps
+            raise StepNotFoundError(
+                f"{self.path}: step {step} is not in the chain (committed steps: "
+                f"{_ranges(steps)}); pick one of those"
+            )
+        return step
+
+    def _retry(self, fn: Callable[[], T]) -> T:
+        # A compaction may delete objects this reader's view still references:
+        # re-read the log once and try again.
+        try:
+            return fn()
+        except MissingObjectError:
+            self.refresh()
+            return fn()
+
+    def materialize(self, step: int | None = None, *, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Return the state after ``step`` (default: the latest committed step).
+
+        Returns:
+            ``{"model": state_dict, "optimizer": optimizer_state_dict, "step": int,
+            "extra": dict}``, plus ``"compressor"`` (top-k residuals by parameter name)
+            when ``step`` is an anchor of a ``grad.topk`` chain.
+
+        Raises:
+            StepNotFoundError: ``step`` is not committed.
+            CorruptChainError: an object fails its checksum or cannot be decoded.
+        """
+        return self._retry(lambda: self._materialize(self._check_step(step), progress))
+
+    def _materialize(self, step: int, progress: Callable[[int, int], None] | None) -> dict[str, Any]:
+        anchor_step, path = self.state.replay_path(step)
+        if path and self.kind.startswith("grad."):
+            self._warn_environment()
+        replayer = self.start_replay(anchor_step)
+        self.replay_steps(replayer, path, progress)
+        result = replayer.result(step)
+        if not path and self.kind == "grad.topk":
+            residuals = {n[len("compressor/"):]: t for n, t in replayer.tensors.items() if n.startswith("compressor/")}
+            result["compressor"] = residuals
+        return result
+
+    def start_replay(self, anchor_step: int) -> Replayer:
+        entry = self.state.anchors[anchor_step]
+        return Replayer(self.root, self.load_anchor_tensors(anchor_step), entry.param_groups, entry.extra)
+
+    def replay_steps(self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None) -> None:
+        batches: dict[str, DecodedBatch] = {}
+        for done, s in enumerate(steps, 1):
+            entry, step_entry = self.state.deltas[s]
+            batch = batches.get(entry.path)
+            if batch is None:
+                batches.clear()  # steps are replayed in order: one batch in memory at a time
+                batch = batches[entry.path] = self.load_batch(entry, s)
+            slots = {slot.name: slot for slot in entry.slots}
+            where = f"{self.path}/{entry.path} (step {s})"
+            if self.kind == "state.xor":
+                replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
+            else:
+                replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
+            if progress is not None:
+                progress(done, len(steps))
+
+    def _warn_environment(self) -> None:
+        diffs = differences(self.root.environment)
+        if diffs and not self._warned_env:
+            self._warned_env = True
+            warnings.warn(
+                f"{self.path}: replaying in a different environment ({'; '.join(diffs)}); "
+                "results may differ in the last bits. Run `ldtools validate --deep` to measure it.",
+                ReplayEnvironmentWarning,
+                stacklevel=3,
+            )
+
+    def load_into(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        step: int | None = None,
+        *,
+        compressor: Any = None,
+    ) -> dict[str, Any]:
+        """Materialize ``step`` and load it into live objects; returns the extra state.
+
+        ``compressor`` (an :class:`ldformat.TopK`) receives the residuals when ``step`` is an
+        anchor of a ``grad.topk`` chain; otherwise its residuals are reset to zero.
+        """
+        state = self.materialize(step)
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if compressor is not None:
+            compressor.load_residuals(state.get("compressor", {}))
+        return {"step": state["step"], "extra": state["extra"]}
+
+    # -- sizes -------------------------------------------------------------------------
+    def bytes_on_disk(self) -> int:
+        total = sum(a.object.size for a in self.state.anchors.values())
+        total += sum(o.size for d in self.state.delta_entries() for o in d.objects)
+        for p in self.store.list("log"):
+            try:
+                total += self.store.size(p)
+            except FileNotFoundError:
+                pass
+        return total
+
+
+def _ranges(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    out = []
+    start = prev = steps[0]
+    for s in steps[1:] + [None]:  # type: ignore[list-item]
+        if s is not None and s == prev + 1:
+            prev = s
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if s is not None:
+            start = prev = s
+    return ", ".join(out)
+
+
+def chain_state(path: str | os.PathLike[str], store: Store | None = None) -> tuple[RootMetadata, ChainState]:
+    reader = ChainReader(path, store=store)
+    return reader.root, reader.state

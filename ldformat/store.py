@@ -1,0 +1,193 @@
+"""Storage interface (spec §5, "Commit protocol").
+
+The format needs five primitives from a storage backend: write a new object, make a set of
+written objects durable, create an object *exclusively* (the commit record), read, list and
+delete. :class:`LocalStore` implements them on a POSIX file system; the interface is shaped
+so that an object store (conditional put with ``If-None-Match: *``, no rename) fits it too.
+
+All paths are ``/``-separated and relative to the chain root. Paths are checked so that a
+hostile log record cannot reach outside the chain (spec §13).
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+import os
+import secrets
+from collections.abc import Iterable
+from pathlib import Path
+
+from .errors import CorruptChainError
+
+
+def check_relative_path(path: str) -> str:
+    """Return ``path`` if it is a safe chain-relative path, else raise CorruptChainError."""
+    parts = path.split("/")
+    if (
+        not path
+        or path.startswith("/")
+        or "\\" in path
+        or "\x00" in path
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise CorruptChainError(f"unsafe object path {path!r} in chain metadata")
+    return path
+
+
+class Store(abc.ABC):
+    """What the format needs from storage.
+
+    Call order for a commit: :meth:`write` every data object, :meth:`sync` them, then
+    :meth:`create_exclusive` the commit record. Only the last call may make data visible
+    to readers; objects written before it are invisible until a record references them.
+    """
+
+    @abc.abstractmethod
+    def write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        """Write a new object (replacing a leftover of the same name). Not yet durable."""
+
+    @abc.abstractmethod
+    def sync(self, paths: Iterable[str]) -> None:
+        """Make previously written objects, and the directories naming them, durable."""
+
+    @abc.abstractmethod
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        """Durably create ``path`` with ``data``; raise FileExistsError if it exists."""
+
+    @abc.abstractmethod
+    def read(self, path: str) -> bytes:
+        """Return the whole object; FileNotFoundError if it does not exist."""
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Return the size in bytes; FileNotFoundError if it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Return every object path under ``prefix`` (recursive), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, path: str) -> None:
+        """Remove an object; a missing object is not an error."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether the object exists."""
+
+    def local_path(self, path: str) -> Path | None:
+        """A file system path for zero-copy reads, when the backend has one."""
+        return None
+
+
+class LocalStore(Store):
+    """A chain in a local directory, with explicit fsync of files and directories."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def _abs(self, path: str) -> Path:
+        return self.root / check_relative_path(path)
+
+    # Low-level hooks, overridden by fault-injection tests.
+    def _write_fd(self, fd: int, data: memoryview) -> None:
+        while data:
+            n = os.write(fd, data)
+            data = data[n:]
+
+    def _fsync_fd(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        target = self._abs(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self._write_fd(fd, memoryview(data).cast("B"))
+        finally:
+            os.close(fd)
+
+    def _fsync_path(self, target: Path) -> None:
+        fd = os.open(target, os.O_RDONLY)
+        try:
+            self._fsync_fd(fd)
+        finally:
+            os.close(fd)
+
+    def sync(self, paths: Iterable[str]) -> None:
+        dirs: set[Path] = set()
+        for path in paths:
+            target = self._abs(path)
+            self._fsync_path(target)
+            # Every new directory between the object and the root must be durable too.
+            parent = target.parent
+            while parent != self.root and self.root in parent.parents:
+                dirs.add(parent)
+                parent = parent.parent
+            dirs.add(self.root)
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            self._fsync_path(d)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        target = self._abs(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                self._write_fd(fd, memoryview(data))
+                self._fsync_fd(fd)
+            finally:
+                os.close(fd)
+            # link() fails with EEXIST where rename() would silently replace.
+            os.link(tmp, target)
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        self._fsync_path(target.parent)
+
+    def read(self, path: str) -> bytes:
+        return self._abs(path).read_bytes()
+
+    def size(self, path: str) -> int:
+        return self._abs(path).stat().st_size
+
+    def list(self, prefix: str) -> list[str]:
+        base = self._abs(prefix) if prefix else self.root
+        if not base.is_dir():
+            return []
+        out = []
+        for dirpath, _dirnames, filenames in os.walk(base):
+            rel = Path(dirpath).relative_to(self.root).as_posix()
+            for name in filenames:
+                out.append(name if rel == "." else f"{rel}/{name}")
+        return sorted(out)
+
+    def delete(self, path: str) -> None:
+        target = self._abs(path)
+        try:
+            target.unlink()
+        except FileNotFoundError:
+            return
+        except IsADirectoryError:
+            return
+        # Drop directories left empty, up to (not including) the root.
+        parent = target.parent
+        while parent != self.root:
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+            parent = parent.parent
+
+    def exists(self, path: str) -> bool:
+        return self._abs(path).is_file()
+
+    def local_path(self, path: str) -> Path | None:
+        return self._abs(path)
+
+
+def is_no_space(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

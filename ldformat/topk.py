@@ -1,0 +1,74 @@
+"""Top-k gradient compression with error feedback (LowDiff; spec §8.1 ``grad.topk``).
+
+``TopK.compress_(model)`` runs after ``backward()`` and before ``optimizer.step()``. For each
+parameter it adds the residual carried from earlier steps, keeps the ``k`` entries of largest
+magnitude, writes them back into ``p.grad`` (zeros elsewhere) and keeps the rest as the new
+residual. The sorted indices it chose are handed to the chain writer, so recording a
+``grad.topk`` delta needs no second scan for non-zeros.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class TopK:
+    """Top-k compressor with per-parameter error feedback.
+
+    Args:
+        ratio: fraction of each gradient's entries to keep, in (0, 1].
+        error_feedback: carry the dropped part of each gradient into the next step.
+
+    Example:
+        >>> topk = TopK(0.01)
+        >>> loss.backward(); topk.compress_(model); optimizer.step()   # doctest: +SKIP
+    """
+
+    def __init__(self, ratio: float, error_feedback: bool = True) -> None:
+        if not 0.0 < ratio <= 1.0:
+            raise ValueError(f"TopK ratio must be in (0, 1], got {ratio}")
+        self.ratio = float(ratio)
+        self.error_feedback = bool(error_feedback)
+        self.residuals: dict[str, torch.Tensor] = {}
+        self.indices: dict[str, torch.Tensor] = {}
+        self.generation = 0
+
+    def k_for(self, numel: int) -> int:
+        return max(1, min(numel, math.ceil(self.ratio * numel)))
+
+    @torch.no_grad()
+    def compress_(self, model: torch.nn.Module) -> None:
+        """Compress every ``p.grad`` of ``model`` in place."""
+        self.indices = {}
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            if not p.grad.is_contiguous():
+                raise ValueError(f"TopK: gradient of {name!r} is not contiguous")
+            flat = p.grad.view(-1)
+            if self.error_feedback:
+                residual = self.residuals.get(name)
+                if residual is None:
+                    residual = self.residuals[name] = torch.zeros_like(flat)
+                flat.add_(residual)
+            _, idx = torch.topk(flat.abs(), self.k_for(flat.numel()), sorted=False)
+            idx, _ = torch.sort(idx)
+            values = flat[idx]
+            if self.error_feedback:
+                residual.copy_(flat)
+                residual[idx] = 0
+            flat.zero_()
+            flat[idx] = values
+            self.indices[name] = idx
+        self.generation += 1
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The residuals by parameter name (what anchors store)."""
+        return dict(self.residuals)
+
+    def load_residuals(self, residuals: dict[str, torch.Tensor]) -> None:
+        """Restore residuals (missing ones restart from zero)."""
+        self.residuals = {k: v.clone() for k, v in residuals.items()}
+        self.indices = {}
