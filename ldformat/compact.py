@@ -161,10 +161,12 @@ def _compact(reader: ChainReader, max_replay: int | None, keep_last: int | None,
         else:
             depth[t] = 0
             plan.new_anchors.append(t)
+        if depth[t] == 0 and entry is not None and entry[1].base in depth:
+            # Kept so that `validate --deep` can compare the anchor with a replay.
+            keep_delta[t] = entry[1]
         prev = t
     plan.dropped_anchors = sorted(set(state.anchors) - kept_anchors)
     plan.merged_deltas = [(b, t) for t, (b, _) in sorted(merges.items())]
-    # Deltas at anchored steps are not needed once the anchor exists.
     dropped_deltas = sorted(s for s in state.deltas if s not in keep_delta)
     if not plan.changes_references and not dropped_deltas:
         plan.removed_objects = unreferenced_objects(reader.store, state)

@@ -1,0 +1,1 @@
+"""ldtools: the command-line tools for ldformat chains."""
