@@ -128,9 +128,9 @@ def decode_batch(objects: dict[str, bytes], slots: tuple[SlotInfo, ...], rows: i
             if n < 0:
                 continue
             width = torch.empty(0, dtype=_torch_dtype(slot.dtype)).element_size()
-            values = arrays.get(f"values_u{width * 8}")
+            values = arrays.get(f"values_u{width * 8}", np.empty(0, WIDTH_DTYPES[width]))
             pos = value_pos.get(width, 0)
-            if values is None or pos + n > values.shape[0]:
+            if pos + n > values.shape[0]:
                 raise CorruptChainError(f"{where}: values of {slot.name} (row {r}) run past the array")
             vals = values[pos : pos + n]
             value_pos[width] = pos + n

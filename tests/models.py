@@ -85,4 +85,4 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
     optimizer.step()
     if scheduler is not None:
         scheduler.step()
-    return float(loss)
+    return float(loss.detach())

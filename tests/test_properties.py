@@ -1,0 +1,168 @@
+"""Round-trip properties of the encodings and the records (hypothesis)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ldformat.delta import decode_batch, encode_batch, segment_to_tensor, tensor_bits, xor_into
+from ldformat.errors import CorruptChainError
+from ldformat.jsonvalue import canonical, decode, encode, verify_checksum, with_checksum
+from ldformat.manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry
+
+json_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**62), 2**62), st.floats(allow_nan=False), st.text(max_size=8),
+    st.sampled_from([math.inf, -math.inf]),
+)
+json_values = st.recursive(
+    json_leaf,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(st.text(max_size=6), inner, max_size=4),
+        st.dictionaries(st.integers(0, 100), inner, max_size=3),
+    ),
+    max_leaves=20,
+)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equality that compares floats by bits and keeps tuple/list apart."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float):
+        return np.float64(a).tobytes() == np.float64(b).tobytes()
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@given(json_values)
+def test_json_values_round_trip_exactly(value: Any) -> None:
+    data = encode(value)
+    canonical(data)  # plain, strict JSON
+    assert same(decode(data), value)
+
+
+def test_nan_and_tensor_round_trip() -> None:
+    v = decode(encode({"x": float("nan"), "t": torch.arange(5, dtype=torch.int16), "b": b"\x00\xff"}))
+    assert math.isnan(v["x"]) and v["b"] == b"\x00\xff"
+    assert torch.equal(v["t"], torch.arange(5, dtype=torch.int16))
+
+
+@given(st.dictionaries(st.text(max_size=5), json_leaf, max_size=5))
+def test_checksum_detects_any_change(doc: dict[str, Any]) -> None:
+    signed = with_checksum({"body": encode(doc)})
+    verify_checksum(signed, "doc")
+    tampered = dict(signed, body={"changed": True, **signed["body"]})
+    with pytest.raises(CorruptChainError):
+        verify_checksum(tampered, "doc")
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.uint8]
+
+
+@st.composite
+def batches(draw: Any) -> tuple[list[SlotInfo], list[dict[int, Any]], list[dict[int, torch.Tensor]]]:
+    n_slots = draw(st.integers(1, 4))
+    slots, shapes = [], []
+    for j in range(n_slots):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=2)))
+        encoding = draw(st.sampled_from(["sparse", "dense", "xor"]))
+        from ldformat.jsonvalue import dtype_name
+
+        slots.append(SlotInfo(name=f"s{j}", dtype=dtype_name(dtype), shape=shape, encoding=encoding))
+        shapes.append((dtype, shape))
+    rows, dense_rows = [], []
+    for _ in range(draw(st.integers(1, 3))):
+        row, dense = {}, {}
+        for j, (dtype, shape) in enumerate(shapes):
+            if draw(st.booleans()) and draw(st.booleans()):
+                continue  # absent
+            seed = draw(st.integers(0, 2**31))
+            g = torch.Generator().manual_seed(seed)
+            t = torch.randint(0, 255, shape, generator=g, dtype=torch.uint8).to(torch.float64).to(dtype)
+            if dtype.is_floating_point:
+                t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+            numel = t.numel()
+            if slots[j].encoding == "sparse":
+                k = draw(st.integers(0, numel))
+                idx = torch.randperm(numel, generator=g)[:k].sort().values
+                mask = torch.zeros(numel, dtype=torch.bool)
+                mask[idx] = True
+                flat = torch.where(mask, t.reshape(-1), torch.zeros((), dtype=dtype))
+                t = flat.reshape(shape)
+                row[j] = (idx.numpy().astype(np.int64), tensor_bits(t.reshape(-1)[idx]))
+            else:
+                row[j] = (None, tensor_bits(t))
+            dense[j] = t
+        rows.append(row)
+        dense_rows.append(dense)
+    return slots, rows, dense_rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches())
+def test_delta_batches_round_trip_bit_exactly(batch: Any) -> None:
+    slots, rows, dense_rows = batch
+    objects = encode_batch(slots, rows, {"kind": "test"})
+    decoded = decode_batch(objects, tuple(slots), len(rows), "batch")
+    for r, dense in enumerate(dense_rows):
+        row = decoded.row(r)
+        assert sorted(row) == sorted(slots[j].name for j in dense)
+        for j, want in dense.items():
+            got = segment_to_tensor(row[slots[j].name], slots[j])
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert tensor_bits(got).tobytes() == tensor_bits(want).tobytes()
+
+
+@given(st.integers(0, 2**31), st.sampled_from([torch.float32, torch.bfloat16, torch.float64]))
+def test_xor_is_its_own_inverse(seed: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(17, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(17, generator=g, dtype=torch.float64).to(dtype)
+    delta = np.bitwise_xor(tensor_bits(a), tensor_bits(b))
+    x = a.clone()
+    xor_into(x, (None, delta))
+    assert tensor_bits(x).tobytes() == tensor_bits(b).tobytes()
+
+
+refs = st.builds(ObjectRef, path=st.from_regex(r"[a-z0-9]{1,6}(/[a-z0-9.]{1,6}){0,2}", fullmatch=True),
+                 size=st.integers(0, 2**40), crc32c=st.from_regex(r"[0-9a-f]{8}", fullmatch=True))
+
+
+@st.composite
+def records(draw: Any) -> Record:
+    groups = [encode({"lr": draw(st.floats(0, 1)), "betas": (0.9, 0.999), "params": [0, 1]})]
+    anchors = tuple(
+        AnchorEntry(step=s, object=draw(refs), param_groups=groups, extra=encode(draw(st.dictionaries(st.text(max_size=3), json_leaf, max_size=2))))
+        for s in draw(st.lists(st.integers(0, 100), max_size=2, unique=True))
+    )
+    steps = tuple(
+        StepEntry(step=s + 1, base=s, row=i, stepped=draw(st.booleans()), hyper=groups, param_groups=groups, extra={})
+        for i, s in enumerate(draw(st.lists(st.integers(0, 100), min_size=1, max_size=3, unique=True)))
+    )
+    delta = DeltaEntry(path="deltas/1-3-abcd", objects=tuple(draw(st.lists(refs, max_size=3))),
+                       slots=(SlotInfo(name="grad/0", dtype="float32", shape=(3, 2), encoding="sparse"),),
+                       rows=len(steps), steps=steps)
+    return Record(seq=draw(st.integers(1, 10**6)), type=draw(st.sampled_from(["append", "snapshot"])),
+                  prev=draw(st.one_of(st.none(), st.from_regex(r"[0-9a-f]{8}", fullmatch=True))),
+                  time="2026-01-01T00:00:00.000Z", writer="host:1", reason="append", anchors=anchors,
+                  deltas=(delta,))
+
+
+@given(records())
+def test_records_round_trip(record: Record) -> None:
+    data = record.to_bytes()
+    back = Record.from_bytes(data, "record")
+    assert back.to_bytes() == data
+    assert back.anchors == record.anchors and back.deltas == record.deltas
