@@ -302,7 +302,8 @@ def _commit_snapshot(reader: ChainReader, anchors: list[AnchorEntry], deltas: li
     except FileExistsError:
         raise ChainError(f"{reader.path}: another writer committed concurrently; nothing was changed") from None
     except OSError as e:
-        raise WriterIOError(f"{reader.path}/{log_path(record.seq)}: {e.strerror or e}; the chain is unchanged") from None
+        where = f"{reader.path}/{log_path(record.seq)}"
+        raise WriterIOError(f"{where}: {e.strerror or e}; the chain is unchanged") from None
 
 
 def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,

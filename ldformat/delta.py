@@ -47,14 +47,17 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
 
 def _create(store: MemoryStore, name: str, data: np.ndarray, codec: dict[str, Any]) -> None:
     width = data.dtype.itemsize
-    chunk = max(1, min(max(data.shape[0], 1), CHUNK_BYTES // width)) if data.ndim == 1 else data.shape
+    if data.ndim == 1:
+        chunks: tuple[int, ...] = (max(1, min(data.shape[0], CHUNK_BYTES // width)),)
+    else:
+        chunks = tuple(max(1, s) for s in data.shape)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.create_array(
             store,
             name=name,
             data=data,
-            chunks=(chunk,) if data.ndim == 1 else tuple(max(1, s) for s in data.shape),
+            chunks=chunks,
             compressors=[BloscCodec(typesize=width, **codec), Crc32cCodec()],
             fill_value=0,
         )
@@ -108,7 +111,7 @@ def decode_batch(objects: dict[str, bytes], slots: tuple[SlotInfo, ...], rows: i
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             group = zarr.open_group(store, mode="r")
-            arrays = {name: np.asarray(group[name][...]) for name in group.array_keys()}
+            arrays = {name: np.asarray(zarr.open_array(store, path=name, mode="r")[...]) for name in group.array_keys()}
     except CorruptChainError:
         raise
     except Exception as e:  # zarr raises many types for damaged data

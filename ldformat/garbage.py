@@ -7,7 +7,7 @@ lock removes them.
 
 from __future__ import annotations
 
-from .manifest import LOG_DIR, ChainState, log_sequence_numbers, log_path
+from .manifest import LOG_DIR, ChainState, log_path, log_sequence_numbers
 from .store import Store
 
 

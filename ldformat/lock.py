@@ -46,7 +46,9 @@ class WriterLock:
     owner: dict[str, object]
 
     @classmethod
-    def acquire(cls, store: Store, where: str, *, break_lock: bool = False) -> tuple[WriterLock, dict[str, object] | None]:
+    def acquire(
+        cls, store: Store, where: str, *, break_lock: bool = False
+    ) -> tuple[WriterLock, dict[str, object] | None]:
         """Take the lock. Returns the lock and the previous owner if a stale lock was taken over."""
         pid = os.getpid()
         owner: dict[str, object] = {

@@ -47,7 +47,8 @@ def _require(doc: dict[str, Any], key: str, types: type | tuple[type, ...], wher
     if key not in doc:
         raise CorruptChainError(f"{where}: missing field {key!r}")
     value = doc[key]
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,))):
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
         raise CorruptChainError(f"{where}: field {key!r} has the wrong type")
     return value
 
@@ -338,7 +339,7 @@ class RootMetadata:
         if kind not in KINDS:
             raise UnsupportedVersionError(f"{where}: unknown delta kind {kind!r}")
         return cls(
-            format_version=version,
+            format_version=str(version),
             chain_id=_require(d, "chain_id", str, where),
             created=_require(d, "created", str, where),
             kind=kind,

@@ -135,7 +135,9 @@ class ChainReader:
             self.refresh()
             return fn()
 
-    def materialize(self, step: int | None = None, *, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    def materialize(
+        self, step: int | None = None, *, progress: Callable[[int, int], None] | None = None
+    ) -> dict[str, Any]:
         """Return the state after ``step`` (default: the latest committed step).
 
         Returns:
@@ -165,7 +167,9 @@ class ChainReader:
         entry = self.state.anchors[anchor_step]
         return Replayer(self.root, self.load_anchor_tensors(anchor_step), entry.param_groups, entry.extra)
 
-    def replay_steps(self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None) -> None:
+    def replay_steps(
+        self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None
+    ) -> None:
         batches: dict[str, DecodedBatch] = {}
         for done, s in enumerate(steps, 1):
             entry, step_entry = self.state.deltas[s]

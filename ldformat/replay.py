@@ -56,7 +56,7 @@ class Replayer:
         for g in groups:
             body = {k: v for k, v in g.items() if k != "params"}
             built.append({**body, "params": [params[i] for i in g["params"]]})
-        opt = cls(built)
+        opt = cls(built)  # type: ignore[call-arg]
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, t in self.tensors.items():
             if name.startswith("optimizer/"):
@@ -66,7 +66,9 @@ class Replayer:
         self._params = params
         return opt
 
-    def apply_grad_step(self, entry: StepEntry, row: dict[str, Segment], slots: dict[str, SlotInfo], where: str) -> None:
+    def apply_grad_step(
+        self, entry: StepEntry, row: dict[str, Segment], slots: dict[str, SlotInfo], where: str
+    ) -> None:
         if entry.stepped:
             if self._optimizer is None:
                 self._optimizer = self._build_optimizer()
@@ -74,7 +76,7 @@ class Replayer:
             hyper = decode(entry.hyper)
             if not isinstance(hyper, list) or len(hyper) != len(opt.param_groups):
                 raise CorruptChainError(f"{where}: step {entry.step} records {len(hyper)} param groups")
-            for group, used in zip(opt.param_groups, hyper):
+            for group, used in zip(opt.param_groups, hyper, strict=True):
                 params = group["params"]
                 group.clear()
                 group.update(used)

@@ -49,16 +49,15 @@ class TopK:
                 raise ValueError(f"TopK: gradient of {name!r} is not contiguous")
             flat = p.grad.view(-1)
             if self.error_feedback:
-                residual = self.residuals.get(name)
-                if residual is None:
-                    residual = self.residuals[name] = torch.zeros_like(flat)
-                flat.add_(residual)
+                if name not in self.residuals:
+                    self.residuals[name] = torch.zeros_like(flat)
+                flat.add_(self.residuals[name])
             _, idx = torch.topk(flat.abs(), self.k_for(flat.numel()), sorted=False)
             idx, _ = torch.sort(idx)
             values = flat[idx]
             if self.error_feedback:
-                residual.copy_(flat)
-                residual[idx] = 0
+                self.residuals[name].copy_(flat)
+                self.residuals[name][idx] = 0
             flat.zero_()
             flat[idx] = values
             self.indices[name] = idx

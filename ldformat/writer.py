@@ -19,6 +19,7 @@ import datetime as _dt
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -30,8 +31,8 @@ from .anchor import encode_anchor
 from .delta import Segment, encode_batch, tensor_bits
 from .environment import current_environment
 from .errors import (
-    ChainExistsError,
     ChainError,
+    ChainExistsError,
     LdformatError,
     UnsupportedStateError,
     UsageError,
@@ -385,7 +386,7 @@ class ChainWriter:
         self._xor_base = base
 
     # -- anchors and commits -------------------------------------------------------------
-    def write_anchor(self, step: int) -> int:
+    def write_anchor(self, step: int) -> int | None:
         """Write a full anchor of the live state at ``step`` (the last recorded step) and commit."""
         self._check_usable()
         if step != self._last_step:
@@ -399,7 +400,7 @@ class ChainWriter:
                 tensors[f"compressor/{name}"] = r.to("cpu", copy=True).contiguous()
         path = f"anchors/{step}-{secrets.token_hex(4)}.safetensors"
         data = encode_anchor(tensors, step)
-        self._io(lambda: self.store.write(path, data), path)
+        self._io(path, self.store.write, path, data)
         self._written.append(path)
         self._pending_anchors.append(
             AnchorEntry(
@@ -420,7 +421,7 @@ class ChainWriter:
         refs = []
         for key, data in sorted(objects.items()):
             path = f"{group}/{key}"
-            self._io(lambda: self.store.write(path, data), path)
+            self._io(path, self.store.write, path, data)
             self._written.append(path)
             refs.append(ObjectRef(path=key, size=len(data), crc32c=crc32c_hex(data)))
         self._pending_deltas.append(
@@ -435,7 +436,7 @@ class ChainWriter:
         self._flush_batch()
         if not self._pending_anchors and not self._pending_deltas:
             return self.durable_step
-        self._io(lambda: self.store.sync(self._written), "data objects")
+        self._io("data objects", self.store.sync, self._written)
         record = Record(
             seq=self._state.last_seq + 1,
             type="append",
@@ -459,7 +460,7 @@ class ChainWriter:
                     "(re-open the chain to continue)"
                 ) from None
 
-        self._io(create, path)
+        self._io(path, create)
         self._state.apply(record)
         self._pending_anchors, self._pending_deltas, self._written = [], [], []
         return self.durable_step
@@ -474,9 +475,10 @@ class ChainWriter:
         """The newest recorded step (committed or not)."""
         return self._last_step
 
-    def _io(self, fn: Any, what: str) -> None:
+    def _io(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+        """Run a storage call; a failure poisons the writer with a clear error."""
         try:
-            fn()
+            fn(*args)
         except ChainError as e:
             self._failed = e
             raise
@@ -518,7 +520,9 @@ class ChainWriter:
     def __enter__(self) -> ChainWriter:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None:
             self.close()
         else:

@@ -152,7 +152,7 @@ def info(chain: str, as_json: bool) -> None:
     if data["compression_vs_full_checkpoints"]:
         click.echo(f"compression  {data['compression_vs_full_checkpoints']:.1f}x smaller than a full "
                    "checkpoint per step")
-    env = data["environment"]
+    env: dict[str, Any] = data["environment"]
     click.echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
                f"optimizer path {','.join(env.get('implementation', []))}")
 
@@ -167,7 +167,7 @@ def log(chain: str, as_json: bool) -> None:
     Example: ldtools log runs/chain
     """
     reader = ChainReader(chain)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in reader.records:
         steps = sorted(s.step for d in r.deltas for s in d.steps)
         rows.append({
