@@ -22,7 +22,7 @@ from .anchor import encode_anchor
 from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .garbage import remove_unreferenced, unreferenced_objects
-from .jsonvalue import crc32c_hex
+from .jsonvalue import object_checksum
 from .lock import WriterLock
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry, log_path
 from .reader import ChainReader
@@ -224,7 +224,7 @@ def _write_object(reader: ChainReader, path: str, data: bytes, written: list[str
     except OSError as e:
         raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
     written.append(path)
-    return ObjectRef(path=path, size=len(data), crc32c=crc32c_hex(data))
+    return ObjectRef(path=path, size=len(data), crc32c=object_checksum(path, data))
 
 
 def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorEntry:

@@ -60,6 +60,9 @@ def _create(store: MemoryStore, name: str, data: np.ndarray, codec: dict[str, An
             chunks=chunks,
             compressors=[BloscCodec(typesize=width, **codec), Crc32cCodec()],
             fill_value=0,
+            # Every chunk is written, so a reader can insist that every chunk exists:
+            # zarr would silently read a missing chunk as the fill value.
+            config={"write_empty_chunks": True},
         )
 
 
@@ -111,7 +114,14 @@ def decode_batch(objects: dict[str, bytes], slots: tuple[SlotInfo, ...], rows: i
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             group = zarr.open_group(store, mode="r")
-            arrays = {name: np.asarray(zarr.open_array(store, path=name, mode="r")[...]) for name in group.array_keys()}
+            arrays = {}
+            for name in group.array_keys():
+                array = zarr.open_array(store, path=name, mode="r")
+                for coords in np.ndindex(*array.cdata_shape):
+                    key = f"{name}/c/" + "/".join(map(str, coords))
+                    if key not in objects:
+                        raise CorruptChainError(f"{where}: chunk {key} is not listed in the commit record")
+                arrays[name] = np.asarray(array[...])
     except CorruptChainError:
         raise
     except Exception as e:  # zarr raises many types for damaged data

@@ -33,6 +33,8 @@ def differences(recorded: dict[str, Any], device: str = "cpu") -> list[str]:
     """Human-readable differences between the recorded and the current environment."""
     now = current_environment(recorded.get("device", device))
     out = []
+    if recorded.get("device", "cpu") != "cpu":
+        out.append(f"device: recorded on {recorded['device']!r}, replayed on 'cpu'")
     for key in ("torch", "cpu_capability", "machine"):
         if key in recorded and recorded[key] != now[key]:
             out.append(f"{key}: recorded {recorded[key]!r}, here {now[key]!r}")

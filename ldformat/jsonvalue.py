@@ -128,6 +128,16 @@ def crc32c_hex(data: bytes | bytearray | memoryview) -> str:
     return f"{google_crc32c.value(bytes(data)) if not isinstance(data, bytes) else google_crc32c.value(data):08x}"
 
 
+def object_checksum(path: str, data: bytes | bytearray | memoryview) -> str:
+    """crc32c of the object's chain-relative path (UTF-8) followed by its bytes.
+
+    Seeding with the path matters: a Zarr chunk ends with its own crc32c, and the crc32c
+    of any message followed by its own crc32c is a constant, so an unseeded checksum could
+    not tell one valid chunk from another.
+    """
+    return f"{google_crc32c.extend(google_crc32c.value(path.encode()), bytes(data)):08x}"
+
+
 def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
     """Return ``doc`` with its ``checksum`` field set (crc32c of the canonical form without it)."""
     body = {k: v for k, v in doc.items() if k != "checksum"}

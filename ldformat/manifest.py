@@ -425,7 +425,20 @@ def log_sequence_numbers(store: Store) -> list[int]:
 
 
 def read_log(store: Store, where: str) -> tuple[list[Record], ChainState]:
-    """Read, verify and fold the log. Records before the newest snapshot are skipped."""
+    """Read, verify and fold the log. Records before the newest snapshot are skipped.
+
+    A compaction may delete superseded records between listing and reading: re-list then.
+    """
+    for attempt in range(5):
+        try:
+            return _read_log_once(store, where)
+        except MissingLogRecord:
+            if attempt == 4:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
     seqs = log_sequence_numbers(store)
     records: dict[int, Record] = {}
     # Find the newest snapshot by reading from the end; records before it are superseded.

@@ -25,7 +25,7 @@ from .errors import (
     ReplayEnvironmentWarning,
     StepNotFoundError,
 )
-from .jsonvalue import crc32c_hex
+from .jsonvalue import object_checksum
 from .manifest import ChainState, DeltaEntry, ObjectRef, Record, RootMetadata, read_log, read_root
 from .replay import Replayer
 from .store import LocalStore, Store
@@ -98,7 +98,7 @@ class ChainReader:
             raise CorruptChainError(f"{where}: expected a file, found a directory") from None
         if len(data) != ref.size:
             raise CorruptChainError(f"{where}: size {len(data)} differs from the committed {ref.size} (truncated?)")
-        if crc32c_hex(data) != ref.crc32c:
+        if object_checksum(path, data) != ref.crc32c:
             raise CorruptChainError(f"{where}: crc32c mismatch (the object was modified or damaged)")
         return data
 

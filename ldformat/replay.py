@@ -15,7 +15,7 @@ import torch
 
 from .delta import Segment, segment_to_tensor, xor_into
 from .errors import CorruptChainError, UnsupportedStateError
-from .jsonvalue import decode
+from .jsonvalue import decode, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
 from .state import bits_view, live_optimizer_tensors
 
@@ -49,7 +49,9 @@ class Replayer:
         names = self.root.schema["optimizer"]["params"]
         params = []
         for n in names:
-            t = self.tensors[f"model/{n}"]
+            t = self.tensors.get(f"model/{n}")
+            if t is None:
+                raise CorruptChainError(f"the anchor lacks model/{n}")
             params.append(t.requires_grad_(True))
         groups = decode(self.param_groups)
         built = []
@@ -75,7 +77,7 @@ class Replayer:
             opt = self._optimizer
             hyper = decode(entry.hyper)
             if not isinstance(hyper, list) or len(hyper) != len(opt.param_groups):
-                raise CorruptChainError(f"{where}: step {entry.step} records {len(hyper)} param groups")
+                raise CorruptChainError(f"{where}: step {entry.step} lacks the hyperparameters of its param groups")
             for group, used in zip(opt.param_groups, hyper, strict=True):
                 params = group["params"]
                 group.clear()
@@ -112,7 +114,7 @@ class Replayer:
             if current is None:
                 self.tensors[name] = segment_to_tensor(seg, slot)
             else:
-                if tuple(current.shape) != slot.shape:
+                if tuple(current.shape) != slot.shape or current.dtype != parse_dtype(slot.dtype):
                     raise CorruptChainError(f"{where}: xor slot {name} changes shape")
                 with torch.no_grad():
                     xor_into(current, seg)
@@ -134,7 +136,10 @@ class Replayer:
         model: OrderedDict[str, torch.Tensor] = OrderedDict()
         for e in self.root.schema["model"]:
             source = e["alias_of"] or e["name"]
-            model[e["name"]] = self.tensors[f"model/{source}"].detach()
+            t = self.tensors.get(f"model/{source}")
+            if t is None:
+                raise CorruptChainError(f"the chain's state lacks model/{source} at step {step}")
+            model[e["name"]] = t.detach()
         state: dict[int, dict[str, torch.Tensor]] = {}
         for name, t in self.tensors.items():
             if name.startswith("optimizer/"):

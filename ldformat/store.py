@@ -87,7 +87,14 @@ class LocalStore(Store):
         self.root = Path(root)
 
     def _abs(self, path: str) -> Path:
-        return self.root / check_relative_path(path)
+        target = self.root / check_relative_path(path)
+        # Refuse to read, write or delete through a symbolic link inside the chain.
+        probe = self.root
+        for part in path.split("/"):
+            probe = probe / part
+            if probe.is_symlink():
+                raise CorruptChainError(f"{self.root}/{path}: symbolic links are not allowed inside a chain")
+        return target
 
     # Low-level hooks, overridden by fault-injection tests.
     def _write_fd(self, fd: int, data: memoryview) -> None:
@@ -115,10 +122,14 @@ class LocalStore(Store):
             os.close(fd)
 
     def sync(self, paths: Iterable[str]) -> None:
-        dirs: set[Path] = set()
-        for path in paths:
-            target = self._abs(path)
+        targets = [self._abs(p) for p in paths]
+        for target in targets:
             self._fsync_path(target)
+        self._sync_dirs(targets)
+
+    def _sync_dirs(self, targets: list[Path]) -> None:
+        dirs: set[Path] = set()
+        for target in targets:
             # Every new directory between the object and the root must be durable too.
             parent = target.parent
             while parent != self.root and self.root in parent.parents:
@@ -146,7 +157,7 @@ class LocalStore(Store):
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
-        self._fsync_path(target.parent)
+        self._sync_dirs([target])
 
     def read(self, path: str) -> bytes:
         return self._abs(path).read_bytes()
@@ -156,13 +167,14 @@ class LocalStore(Store):
 
     def list(self, prefix: str) -> list[str]:
         base = self._abs(prefix) if prefix else self.root
-        if not base.is_dir():
+        if not base.is_dir() or base.is_symlink():
             return []
         out = []
         for dirpath, _dirnames, filenames in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
-                out.append(name if rel == "." else f"{rel}/{name}")
+                if not os.path.islink(os.path.join(dirpath, name)):
+                    out.append(name if rel == "." else f"{rel}/{name}")
         return sorted(out)
 
     def delete(self, path: str) -> None:

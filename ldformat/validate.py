@@ -196,7 +196,7 @@ def _max_ulps(a: torch.Tensor, b: torch.Tensor) -> int:
         def line(i: torch.Tensor) -> torch.Tensor:
             negative = i < 0 if width == 64 else (i & (1 << (width - 1))) != 0
             m = i & magnitude
-            return torch.where(negative, -m, m)
+            return torch.where(negative, -m - 1, m)  # -0.0 sits one step below +0.0
 
         ia, ib = line(ia), line(ib)
     return int((ia - ib).abs().max())

@@ -20,6 +20,7 @@ import os
 import secrets
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from .anchor import encode_anchor
-from .delta import Segment, encode_batch, tensor_bits
+from .delta import SIGNED_NP, Segment, encode_batch, tensor_bits
 from .environment import current_environment
 from .errors import (
     ChainError,
@@ -39,7 +40,7 @@ from .errors import (
     WriterIOError,
 )
 from .garbage import remove_unreferenced
-from .jsonvalue import crc32c_hex, dtype_name, encode
+from .jsonvalue import dtype_name, encode, object_checksum, parse_dtype
 from .lock import WriterLock
 from .manifest import (
     FORMAT_VERSION,
@@ -70,6 +71,42 @@ from .state import (
 )
 from .store import LocalStore, Store
 from .topk import TopK
+
+
+@dataclass
+class CapturedTensor:
+    """The raw bits of one captured tensor (flat, unsigned) and what they are."""
+
+    bits: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+    indices: np.ndarray | None = None  # sorted flat indices of a sparse gradient
+
+    @classmethod
+    def of(cls, t: torch.Tensor, *, shape: tuple[int, ...] | None = None,
+           indices: np.ndarray | None = None) -> CapturedTensor:
+        """Wrap a CPU tensor (shares its memory: pass a copy the caller will not modify)."""
+        return cls(bits=tensor_bits(t), dtype=dtype_name(t.dtype), shape=tuple(t.shape) if shape is None else shape,
+                   indices=indices)
+
+    def to_tensor(self) -> torch.Tensor:
+        dtype = parse_dtype(self.dtype)
+        signed = self.bits.view(SIGNED_NP[self.bits.dtype.itemsize])
+        return torch.from_numpy(signed).view(dtype).reshape(self.shape)
+
+
+@dataclass
+class CapturedStep:
+    """Everything the writer needs to append one step, captured from the training loop."""
+
+    step: int
+    stepped: bool
+    hyper: Any  # encoded param groups the optimizer used (None if it did not step, or xor)
+    param_groups: Any  # encoded live param groups after the step and its scheduler step
+    extra: Any  # encoded extra state
+    tensors: dict[str, CapturedTensor]  # grad kinds: grad/<i> + model/<buffer>; xor: whole state
+    anchor: bool = False
+    anchor_tensors: dict[str, torch.Tensor] | None = None  # full state for an anchor (grad kinds)
 
 
 def _now() -> str:
@@ -113,7 +150,7 @@ class ChainWriter:
         self._buffers = [e["name"] for e in root.schema["model"] if e["role"] == "buffer" and e["alias_of"] is None]
         self._last_step: int | None = state.latest_step
         self._last_extra: Any = {}
-        self._captured: tuple[Any, dict[int, Segment]] | None = None
+        self._captured: tuple[Any, dict[str, CapturedTensor]] | None = None
         self._captures_since_record = 0
         self._seen_generation = -1
         self._rows: list[dict[int, Segment]] = []
@@ -259,38 +296,68 @@ class ChainWriter:
         return writer
 
     # -- capture -------------------------------------------------------------------------
+    def check_param_groups(self) -> None:
+        """Refuse ``add_param_group`` or swapped parameters: the schema is fixed at creation."""
+        live = [p for g in self.optimizer.param_groups for p in g["params"]]
+        sizes = [len(g["params"]) for g in self.optimizer.param_groups]
+        if sizes != self.root.schema["optimizer"]["group_sizes"] or any(
+            a is not b for a, b in zip(live, self._params, strict=False)
+        ):
+            raise UnsupportedStateError(
+                f"{self.path}: the optimizer's param groups changed since the chain was created "
+                "(add_param_group?); format 1.0 fixes them at creation: start a new chain"
+            )
+
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._failed is not None:
             return
         self._captures_since_record += 1
-        hyper = encode_param_groups(optimizer, with_params=False)
-        grads: dict[int, Segment] = {}
-        if self.kind.startswith("grad."):
-            topk = self.compressor if self.kind == "grad.topk" else None
-            if topk is not None and any(p.grad is not None for p in self._params):
-                if topk.generation == self._seen_generation:
-                    self._failed = UsageError(
-                        "optimizer.step() ran without TopK.compress_(model) before it; a grad.topk "
-                        "chain records the compressed gradient, so compress every step"
-                    )
-                    return
-                self._seen_generation = topk.generation
-            for i, p in enumerate(self._params):
-                g = p.grad
-                if g is None:
-                    continue
-                if topk is not None:
-                    idx = topk.indices.get(self._param_names[i])
-                    if idx is None:
-                        self._failed = UsageError(
-                            f"parameter {self._param_names[i]!r} has a gradient that TopK did not compress"
-                        )
-                        return
-                    values = g.detach().reshape(-1)[idx].cpu()
-                    grads[i] = (idx.cpu().numpy(), tensor_bits(values))
-                else:
-                    grads[i] = (None, tensor_bits(g.detach().to("cpu", copy=True)))
-        self._captured = (hyper, grads)
+        try:
+            self.check_param_groups()
+            self._captured = (encode_param_groups(optimizer, with_params=False), self.capture_gradients())
+        except LdformatError as e:
+            self._failed = e
+
+    def capture_gradients(self) -> dict[str, CapturedTensor]:
+        """The gradients the optimizer is about to consume, as ``grad/<index>`` tensors.
+
+        For ``grad.topk`` only the values at the compressor's indices are copied.
+        """
+        grads: dict[str, CapturedTensor] = {}
+        if not self.kind.startswith("grad."):
+            return grads
+        topk = self.compressor if self.kind == "grad.topk" else None
+        if topk is not None and any(p.grad is not None for p in self._params):
+            if topk.generation == self._seen_generation:
+                raise UsageError(
+                    "optimizer.step() ran without TopK.compress_(model) before it; a grad.topk "
+                    "chain records the compressed gradient, so compress every step"
+                )
+            self._seen_generation = topk.generation
+        for i, p in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                continue
+            if topk is not None:
+                idx = topk.indices.get(self._param_names[i])
+                if idx is None:
+                    raise UsageError(f"parameter {self._param_names[i]!r} has a gradient that TopK did not compress")
+                values = g.detach().reshape(-1)[idx].cpu()
+                grads[f"grad/{i}"] = CapturedTensor.of(values, shape=tuple(g.shape), indices=idx.cpu().numpy())
+            else:
+                grads[f"grad/{i}"] = CapturedTensor.of(g.detach().to("cpu", copy=True))
+        return grads
+
+    def capture_buffers(self) -> dict[str, CapturedTensor]:
+        """Copies of the model's buffers (``model/<key>``): the optimizer never touches them."""
+        sd = self.model.state_dict(keep_vars=True)
+        return {f"model/{n}": CapturedTensor.of(sd[n].detach().to("cpu", copy=True)) for n in self._buffers}
+
+    def live_state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every state tensor under its stored name (live objects, not copies)."""
+        tensors = live_model_tensors(self.model, self.root.schema["model"])
+        tensors.update(live_optimizer_tensors(self.optimizer))
+        return tensors
 
     def record_step(self, step: int, extra: dict[str, Any] | None = None) -> None:
         """Record step ``step``; the live objects must hold the state after it.
@@ -300,79 +367,109 @@ class ChainWriter:
         as a step without an optimizer update.
         """
         self._check_usable()
-        if self._last_step is None or step != self._last_step + 1:
-            raise UsageError(
-                f"{self.path}: record_step({step}) out of order; the next step is "
-                f"{None if self._last_step is None else self._last_step + 1}"
-            )
+        self.check_param_groups()
         if self._captures_since_record > 1:
             raise UsageError(
                 f"{self.path}: optimizer.step() ran {self._captures_since_record} times since the "
                 "last record_step; call record_step after every optimizer step"
             )
-        extra_json = encode(extra or {}, "extra")
-        row: dict[int, Segment] = {}
-        stepped = self._captured is not None
-        hyper = None
+        hyper, grads = self._captured if self._captured is not None else (None, {})
         if self.kind.startswith("grad."):
-            if self._captured is not None:
-                hyper, grads = self._captured
-                encoding = "sparse" if self.kind == "grad.topk" else "dense"
-                for i, seg in grads.items():
-                    p = self._params[i]
-                    row[self._slot(f"grad/{i}", p, encoding)] = seg
-            sd = self.model.state_dict(keep_vars=True)
-            for name in self._buffers:
-                t = sd[name].detach()
-                row[self._slot(f"model/{name}", t, "dense")] = (None, tensor_bits(t.to("cpu", copy=True)))
+            tensors = {**grads, **self.capture_buffers()}
         else:
-            for name, t in self._live_state_tensors().items():
-                bits = tensor_bits(t.to("cpu", copy=t.device.type == "cpu"))
+            hyper = None
+            tensors = {n: CapturedTensor.of(t.to("cpu", copy=True)) for n, t in self.live_state_tensors().items()}
+        anchor = self.anchor_every is not None and step % self.anchor_every == 0
+        captured = CapturedStep(
+            step=step,
+            stepped=self._captured is not None,
+            hyper=hyper,
+            param_groups=encode_param_groups(self.optimizer, with_params=True),
+            extra=encode(extra or {}, "extra"),
+            tensors=tensors,
+            anchor_tensors=self.snapshot_anchor_tensors() if anchor and self.kind.startswith("grad.") else None,
+            anchor=anchor,
+        )
+        self._captured = None
+        self._captures_since_record = 0
+        self.append(captured)
+
+    def snapshot_anchor_tensors(self) -> dict[str, torch.Tensor]:
+        """CPU copies of the whole live state, plus top-k residuals, for an anchor."""
+        tensors = {n: t.to("cpu", copy=True).contiguous() for n, t in self.live_state_tensors().items()}
+        if self.compressor is not None:
+            for name, r in self.compressor.state_dict().items():
+                tensors[f"compressor/{name}"] = r.to("cpu", copy=True).contiguous()
+        return tensors
+
+    def append(self, captured: CapturedStep) -> None:
+        """Add a captured step to the current batch; commits when the batch is full.
+
+        This is the part of :meth:`record_step` that may run off the training thread: the
+        XOR against the previous step, encoding and I/O. ``captured.tensors`` may be reused
+        by the caller once this returns.
+        """
+        self._check_usable()
+        step = captured.step
+        if self._last_step is None or step != self._last_step + 1:
+            raise UsageError(
+                f"{self.path}: step {step} recorded out of order; the next step is "
+                f"{None if self._last_step is None else self._last_step + 1}"
+            )
+        row: dict[int, Segment] = {}
+        if self.kind == "state.xor":
+            # A tensor absent at this step is absent in the replayed state too: forget its base.
+            for name in [n for n in self._xor_base if n not in captured.tensors]:
+                del self._xor_base[name]
+        for name, ct in captured.tensors.items():
+            if self.kind == "state.xor":
                 base = self._xor_base.get(name)
-                if base is None or base.shape != bits.shape:
-                    delta = bits.copy()
-                    self._xor_base[name] = bits
+                if base is None or base.shape != ct.bits.shape:
+                    delta = ct.bits.copy()
+                    self._xor_base[name] = ct.bits.copy()
                 else:
-                    delta = np.bitwise_xor(bits, base)
-                    self._xor_base[name] = bits
-                row[self._slot(name, t, "xor")] = (None, delta)
+                    delta = np.bitwise_xor(ct.bits, base)
+                    np.copyto(base, ct.bits)
+                row[self._slot(name, ct, "xor")] = (None, delta)
+            else:
+                encoding = "sparse" if ct.indices is not None else "dense"
+                row[self._slot(name, ct, encoding)] = (ct.indices, ct.bits)
         entry = StepEntry(
             step=step,
             base=step - 1,
             row=len(self._rows),
-            stepped=stepped,
-            hyper=hyper,
-            param_groups=encode_param_groups(self.optimizer, with_params=True),
-            extra=extra_json,
+            stepped=captured.stepped,
+            hyper=captured.hyper,
+            param_groups=captured.param_groups,
+            extra=captured.extra,
         )
         self._rows.append(row)
         self._row_steps.append(entry)
-        self._captured = None
-        self._captures_since_record = 0
         self._last_step = step
-        self._last_extra = extra_json
-        if self.anchor_every is not None and step % self.anchor_every == 0:
-            self.write_anchor(step)
+        self._last_extra = captured.extra
+        if captured.anchor:
+            tensors = captured.anchor_tensors
+            if tensors is None:
+                if self.kind != "state.xor":
+                    raise UsageError(f"{self.path}: an anchor at step {step} needs anchor_tensors")
+                tensors = {n: ct.to_tensor() for n, ct in captured.tensors.items()}
+            self._write_anchor_object(step, tensors, captured.param_groups, captured.extra)
+            self.commit()
         elif len(self._rows) >= self.batch_steps:
             self.commit()
 
-    def _slot(self, name: str, t: torch.Tensor, encoding: str) -> int:
+    def _slot(self, name: str, ct: CapturedTensor, encoding: str) -> int:
         j = self._slot_index.get(name)
         if j is None:
             j = self._slot_index[name] = len(self._slots)
-            self._slots.append(SlotInfo(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape), encoding=encoding))
-        elif self._slots[j].shape != tuple(t.shape) or self._slots[j].dtype != dtype_name(t.dtype):
+            self._slots.append(SlotInfo(name=name, dtype=ct.dtype, shape=ct.shape, encoding=encoding))
+        elif self._slots[j].shape != ct.shape or self._slots[j].dtype != ct.dtype:
             raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.0 refuses that")
         return j
 
-    def _live_state_tensors(self) -> dict[str, torch.Tensor]:
-        tensors = live_model_tensors(self.model, self.root.schema["model"])
-        tensors.update(live_optimizer_tensors(self.optimizer))
-        return tensors
-
     def _reset_xor_base_from_live(self) -> None:
         if self.kind == "state.xor":
-            self._xor_base = {n: tensor_bits(t.to("cpu", copy=True)) for n, t in self._live_state_tensors().items()}
+            self._xor_base = {n: tensor_bits(t.to("cpu", copy=True)) for n, t in self.live_state_tensors().items()}
 
     def _set_xor_base(self, materialized: dict[str, Any]) -> None:
         base = {}
@@ -394,10 +491,11 @@ class ChainWriter:
                 f"{self.path}: write_anchor({step}): the live state is at step {self._last_step}; "
                 "anchors can only be written for the last recorded step"
             )
-        tensors = {n: t.to("cpu", copy=True).contiguous() for n, t in self._live_state_tensors().items()}
-        if self.compressor is not None:
-            for name, r in self.compressor.state_dict().items():
-                tensors[f"compressor/{name}"] = r.to("cpu", copy=True).contiguous()
+        groups = encode_param_groups(self.optimizer, with_params=True)
+        self._write_anchor_object(step, self.snapshot_anchor_tensors(), groups, self._last_extra)
+        return self.commit()
+
+    def _write_anchor_object(self, step: int, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any) -> None:
         path = f"anchors/{step}-{secrets.token_hex(4)}.safetensors"
         data = encode_anchor(tensors, step)
         self._io(path, self.store.write, path, data)
@@ -405,12 +503,11 @@ class ChainWriter:
         self._pending_anchors.append(
             AnchorEntry(
                 step=step,
-                object=ObjectRef(path=path, size=len(data), crc32c=crc32c_hex(data)),
-                param_groups=encode_param_groups(self.optimizer, with_params=True),
-                extra=self._last_extra,
+                object=ObjectRef(path=path, size=len(data), crc32c=object_checksum(path, data)),
+                param_groups=param_groups,
+                extra=extra,
             )
         )
-        return self.commit()
 
     def _flush_batch(self) -> None:
         if not self._rows:
@@ -423,7 +520,7 @@ class ChainWriter:
             path = f"{group}/{key}"
             self._io(path, self.store.write, path, data)
             self._written.append(path)
-            refs.append(ObjectRef(path=key, size=len(data), crc32c=crc32c_hex(data)))
+            refs.append(ObjectRef(path=key, size=len(data), crc32c=object_checksum(path, data)))
         self._pending_deltas.append(
             DeltaEntry(path=group, objects=tuple(refs), slots=tuple(self._slots), rows=len(self._rows),
                        steps=tuple(self._row_steps))
@@ -538,6 +635,8 @@ def build_schema(
             f"kind {kind!r} replays the optimizer, and {class_name} is not a torch.optim class; "
             "use kind='state.xor' for custom optimizers"
         )
+    if kind.startswith("grad.") and isinstance(optimizer, torch.optim.LBFGS):
+        raise UnsupportedStateError("LBFGS needs a closure to step, which replay cannot re-run; use kind='state.xor'")
     encode_param_groups(optimizer, with_params=False)  # refuses tensor hyperparameters early
     return {
         "model": model_schema(model),
