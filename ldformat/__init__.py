@@ -59,3 +59,7 @@ __all__ = [
     "truncate",
     "validate",
 ]
+
+from .capture import Checkpointer, ResumableSampler, TopKCommState, resume, topk_comm_hook  # noqa: E402
+
+__all__ += ["Checkpointer", "ResumableSampler", "TopKCommState", "resume", "topk_comm_hook"]

@@ -39,6 +39,25 @@ class TopK:
         return max(1, min(numel, math.ceil(self.ratio * numel)))
 
     @torch.no_grad()
+    def select(self, name: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Error feedback and selection for one flat gradient: (sorted indices, values).
+
+        Updates the residual of ``name``; leaves ``flat`` unchanged unless error feedback
+        adds the residual into it.
+        """
+        if self.error_feedback:
+            if name not in self.residuals:
+                self.residuals[name] = torch.zeros_like(flat)
+            flat.add_(self.residuals[name])
+        _, idx = torch.topk(flat.abs(), self.k_for(flat.numel()), sorted=False)
+        idx, _ = torch.sort(idx)
+        values = flat[idx]
+        if self.error_feedback:
+            self.residuals[name].copy_(flat)
+            self.residuals[name][idx] = 0
+        return idx, values
+
+    @torch.no_grad()
     def compress_(self, model: torch.nn.Module) -> None:
         """Compress every ``p.grad`` of ``model`` in place."""
         self.indices = {}
@@ -48,16 +67,7 @@ class TopK:
             if not p.grad.is_contiguous():
                 raise ValueError(f"TopK: gradient of {name!r} is not contiguous")
             flat = p.grad.view(-1)
-            if self.error_feedback:
-                if name not in self.residuals:
-                    self.residuals[name] = torch.zeros_like(flat)
-                flat.add_(self.residuals[name])
-            _, idx = torch.topk(flat.abs(), self.k_for(flat.numel()), sorted=False)
-            idx, _ = torch.sort(idx)
-            values = flat[idx]
-            if self.error_feedback:
-                self.residuals[name].copy_(flat)
-                self.residuals[name][idx] = 0
+            idx, values = self.select(name, flat)
             flat.zero_()
             flat[idx] = values
             self.indices[name] = idx

@@ -19,6 +19,7 @@ import datetime as _dt
 import os
 import secrets
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,7 @@ class CapturedStep:
     tensors: dict[str, CapturedTensor]  # grad kinds: grad/<i> + model/<buffer>; xor: whole state
     anchor: bool = False
     anchor_tensors: dict[str, torch.Tensor] | None = None  # full state for an anchor (grad kinds)
+    owned: bool = True  # False: tensors are reused buffers, so the writer copies what it keeps
 
 
 def _now() -> str:
@@ -129,6 +131,7 @@ class ChainWriter:
         compressor: TopK | None,
         batch_steps: int,
         anchor_every: int | None,
+        capture_hook: bool = True,
     ) -> None:
         if batch_steps < 1:
             raise UsageError(f"batch_steps must be >= 1, got {batch_steps}")
@@ -162,7 +165,10 @@ class ChainWriter:
         self._written: list[str] = []
         self._xor_base: dict[str, np.ndarray] = {}
         self._failed: LdformatError | None = None
-        self._hook = optimizer.register_step_pre_hook(self._pre_hook)
+        self.last_commit_seconds = 0.0  # sync + record creation of the latest commit
+        self.commits = 0
+        # The capture runtime captures gradients itself and appends CapturedSteps.
+        self._hook = optimizer.register_step_pre_hook(self._pre_hook) if capture_hook else None
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -179,6 +185,7 @@ class ChainWriter:
         step: int = 0,
         extra: dict[str, Any] | None = None,
         store: Store | None = None,
+        capture_hook: bool = True,
     ) -> ChainWriter:
         """Create a chain and write the anchor of the current state as step ``step``.
 
@@ -232,7 +239,8 @@ class ChainWriter:
             raise WriterIOError(f"{where}/{ROOT_FILE}: cannot create the chain: {e.strerror or e}") from None
         lock, _ = WriterLock.acquire(store, where)
         writer = cls(path=where, store=store, root=root, state=ChainState(), lock=lock, model=model,
-                     optimizer=optimizer, compressor=compressor, batch_steps=batch_steps, anchor_every=anchor_every)
+                     optimizer=optimizer, compressor=compressor, batch_steps=batch_steps, anchor_every=anchor_every,
+                     capture_hook=capture_hook)
         writer._last_step = step
         writer._last_extra = encode(extra or {}, "extra")
         writer._reset_xor_base_from_live()
@@ -251,6 +259,7 @@ class ChainWriter:
         anchor_every: int | None = None,
         store: Store | None = None,
         break_lock: bool = False,
+        capture_hook: bool = True,
     ) -> ChainWriter:
         """Re-open a chain to append after its latest committed step.
 
@@ -280,7 +289,7 @@ class ChainWriter:
             remove_unreferenced(store, state)
             writer = cls(path=where, store=store, root=root, state=state, lock=lock, model=model,
                          optimizer=optimizer, compressor=compressor, batch_steps=batch_steps,
-                         anchor_every=anchor_every)
+                         anchor_every=anchor_every, capture_hook=capture_hook)
         except BaseException:
             lock.release()
             raise
@@ -402,6 +411,10 @@ class ChainWriter:
                 tensors[f"compressor/{name}"] = r.to("cpu", copy=True).contiguous()
         return tensors
 
+    @property
+    def anchors(self) -> list[int]:
+        return sorted(self._state.anchors)
+
     def append(self, captured: CapturedStep) -> None:
         """Add a captured step to the current batch; commits when the batch is full.
 
@@ -433,7 +446,11 @@ class ChainWriter:
                 row[self._slot(name, ct, "xor")] = (None, delta)
             else:
                 encoding = "sparse" if ct.indices is not None else "dense"
-                row[self._slot(name, ct, encoding)] = (ct.indices, ct.bits)
+                if captured.owned:
+                    row[self._slot(name, ct, encoding)] = (ct.indices, ct.bits)
+                else:
+                    indices = None if ct.indices is None else ct.indices.copy()
+                    row[self._slot(name, ct, encoding)] = (indices, ct.bits.copy())
         entry = StepEntry(
             step=step,
             base=step - 1,
@@ -533,6 +550,7 @@ class ChainWriter:
         self._flush_batch()
         if not self._pending_anchors and not self._pending_deltas:
             return self.durable_step
+        started = time.perf_counter()
         self._io("data objects", self.store.sync, self._written)
         record = Record(
             seq=self._state.last_seq + 1,
@@ -558,6 +576,8 @@ class ChainWriter:
                 ) from None
 
         self._io(path, create)
+        self.last_commit_seconds = time.perf_counter() - started
+        self.commits += 1
         self._state.apply(record)
         self._pending_anchors, self._pending_deltas, self._written = [], [], []
         return self.durable_step
@@ -601,7 +621,9 @@ class ChainWriter:
             if self._lock is not None and self._failed is None:
                 self.commit()
         finally:
-            self._hook.remove()
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
@@ -609,7 +631,9 @@ class ChainWriter:
 
     def abort(self) -> None:
         """Drop what is not committed and release the lock."""
-        self._hook.remove()
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None
