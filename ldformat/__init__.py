@@ -60,6 +60,13 @@ __all__ = [
     "validate",
 ]
 
-from .capture import Checkpointer, ResumableSampler, TopKCommState, resume, topk_comm_hook  # noqa: E402
+from .capture import (  # noqa: E402
+    Checkpointer,
+    ResidualPeer,
+    ResumableSampler,
+    TopKCommState,
+    resume,
+    topk_comm_hook,
+)
 
-__all__ += ["Checkpointer", "ResumableSampler", "TopKCommState", "resume", "topk_comm_hook"]
+__all__ += ["Checkpointer", "ResidualPeer", "ResumableSampler", "TopKCommState", "resume", "topk_comm_hook"]

@@ -233,7 +233,7 @@ def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorE
     reader.replay_steps(replayer, path)
     replayer.sync_optimizer_tensors()
     # Residuals of a top-k compressor are only valid at the anchor that stored them.
-    tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor/")}
+    tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor")}
     data = encode_anchor(tensors, step)
     ref = _write_object(reader, f"anchors/{step}-{secrets.token_hex(4)}.safetensors", data, written)
     return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra)

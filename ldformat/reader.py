@@ -160,6 +160,9 @@ class ChainReader:
         result = replayer.result(step)
         if not path and self.kind == "grad.topk":
             residuals = {n[len("compressor/"):]: t for n, t in replayer.tensors.items() if n.startswith("compressor/")}
+            ranks = residuals_by_rank(replayer.tensors)
+            if len(ranks) > 1:
+                result["compressor_ranks"] = ranks
             result["compressor"] = residuals
         return result
 
@@ -228,6 +231,18 @@ class ChainReader:
             except FileNotFoundError:
                 pass
         return total
+
+
+def residuals_by_rank(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+    """Top-k residuals of every rank: ``compressor/<name>`` is rank 0, ``compressor@<r>/<name>`` rank r."""
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for n, t in tensors.items():
+        if n.startswith("compressor/"):
+            out.setdefault(0, {})[n[len("compressor/"):]] = t
+        elif n.startswith("compressor@"):
+            prefix, name = n.split("/", 1)
+            out.setdefault(int(prefix[len("compressor@"):]), {})[name] = t
+    return out
 
 
 def _ranges(steps: list[int]) -> str:

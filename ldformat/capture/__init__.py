@@ -3,7 +3,7 @@
 from .ddp import TopKCommState, topk_comm_hook
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps, wasted_time_per_step
 from .resume import resume
-from .runtime import MODES, CaptureStats, Checkpointer
+from .runtime import MODES, CaptureStats, Checkpointer, ResidualPeer, gather_residuals
 from .sampler import ResumableSampler
 
 __all__ = [
@@ -12,7 +12,9 @@ __all__ = [
     "CaptureStats",
     "Checkpointer",
     "PolicyInputs",
+    "ResidualPeer",
     "ResumableSampler",
+    "gather_residuals",
     "TopKCommState",
     "optimal_anchor_every",
     "optimal_batch_steps",

@@ -27,6 +27,7 @@ def resume(
     compressor: TopK | None = None,
     exact: bool = False,
     step: int | None = None,
+    rank: int = 0,
     store: Store | None = None,
 ) -> int:
     """Restore the live training objects from a chain; returns the restored step.
@@ -42,6 +43,7 @@ def resume(
             the uninterrupted run; from a later delta step the residuals restart at zero,
             which changes the following compressed gradients (spec §14).
         step: an explicit step to resume from.
+        rank: whose top-k residuals ``compressor`` receives (data-parallel ``lowdiff``).
 
     Pass the returned step to ``Checkpointer(..., step=step)`` so that steps after it are
     truncated and re-recorded by the resumed run.
@@ -67,7 +69,8 @@ def resume(
     if sampler is not None and extra.get("data") is not None:
         sampler.load_state_dict(extra["data"])
     if compressor is not None:
-        compressor.load_residuals(state.get("compressor", {}))
+        residuals = state.get("compressor", {}) if rank == 0 else state.get("compressor_ranks", {}).get(rank, {})
+        compressor.load_residuals(residuals)
     if "rng" in extra:
         restore_rng(extra["rng"])
     return step

@@ -150,6 +150,7 @@ class Checkpointer:
         step: int | None = None,
         extra: dict[str, Any] | None = None,
         store: Store | None = None,
+        process_group: Any = None,
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -167,6 +168,13 @@ class Checkpointer:
         self.compressor = compressor if compressor is not None else (TopK(topk_ratio) if mode == "lowdiff" else None)
         self._compress = compress and mode == "lowdiff"
         self.mtbf_s = mtbf_hours * 3600.0
+        self.process_group = process_group
+        self.world_size = _world_size(process_group)
+        if self.world_size > 1 and (mode != "lowdiff" or anchor_every == "auto"):
+            raise UsageError(
+                "with several ranks, run Checkpointer on rank 0 in mode 'lowdiff' with an integer anchor_every, "
+                "and ResidualPeer with the same anchor_every on every other rank"
+            )
         self.max_batch_bytes = max_batch_bytes
         self._auto_anchor = anchor_every == "auto"
         self._auto_batch = batch_steps == "auto"
@@ -431,6 +439,11 @@ class Checkpointer:
         anchor_tensors = None
         if anchor and self.mode == "lowdiff":
             anchor_tensors = self.writer.snapshot_anchor_tensors()
+            if self.world_size > 1 and self.compressor is not None:
+                ranks = gather_residuals(self.compressor, self._param_names, self.process_group)
+                for r, residuals in ranks.items():
+                    if r > 0:
+                        anchor_tensors.update({f"compressor@{r}/{n}": t for n, t in residuals.items()})
         captured = CapturedStep(
             step=step,
             stepped=pending.stepped,
@@ -623,6 +636,62 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _world_size(group: Any) -> int:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def gather_residuals(topk: TopK, names: list[str], group: Any) -> dict[int, dict[str, torch.Tensor]]:
+    """All-gather every rank's top-k residuals (a collective: every rank must call it)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world)}
+    for name in dict.fromkeys(names):
+        residual = topk.residuals.get(name)
+        if residual is None:
+            continue
+        parts = [torch.empty_like(residual) for _ in range(world)]
+        dist.all_gather(parts, residual.contiguous(), group=group)
+        for r, t in enumerate(parts):
+            out[r][name] = t.to("cpu", copy=True)
+    return out
+
+
+class ResidualPeer:
+    """On ranks other than 0: hand this rank's top-k residuals to rank 0's anchors.
+
+    Rank 0 runs a :class:`Checkpointer` (mode ``lowdiff``, an integer ``anchor_every``);
+    every other rank runs a ResidualPeer with the same ``anchor_every`` and start ``step``,
+    so that both sides join the same all-gather at every anchor step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK, *, anchor_every: int,
+                 model: torch.nn.Module, step: int = 0, process_group: Any = None) -> None:
+        self.compressor = compressor
+        self.anchor_every = _positive(anchor_every, "anchor_every")
+        self.step = step
+        self.process_group = process_group
+        by_id: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), name)
+        self._names = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        self._last_anchor = step
+        self._handle = optimizer.register_step_post_hook(self._post_hook)
+
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.step += 1
+        if self.step - self._last_anchor >= self.anchor_every:
+            gather_residuals(self.compressor, self._names, self.process_group)
+            self._last_anchor = self.step
+
+    def close(self) -> None:
+        self._handle.remove()
 
 
 def _positive(value: Any, name: str) -> int:
