@@ -131,9 +131,11 @@ def crc32c_hex(data: bytes | bytearray | memoryview) -> str:
 def object_checksum(path: str, data: bytes | bytearray | memoryview) -> str:
     """crc32c of the object's chain-relative path (UTF-8) followed by its bytes.
 
-    Seeding with the path matters: a Zarr chunk ends with its own crc32c, and the crc32c
-    of any message followed by its own crc32c is a constant, so an unseeded checksum could
-    not tell one valid chunk from another.
+    Seeding with the path matters: a Zarr chunk ends with its own crc32c, and the crc32c of
+    any message followed by its own crc32c is a constant, so an unseeded checksum would be
+    the same for every intact chunk. Seeded, it still depends only on the path and size for
+    an intact chunk (spec §19.5): it catches damage and objects moved between paths, while
+    the chunk's own crc32c vouches for its content.
     """
     return f"{google_crc32c.extend(google_crc32c.value(path.encode()), bytes(data)):08x}"
 

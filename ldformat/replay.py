@@ -24,6 +24,8 @@ def optimizer_class(root: RootMetadata) -> type[torch.optim.Optimizer]:
     name = root.schema["optimizer"]["class"]
     prefix = "torch.optim."
     cls = getattr(torch.optim, name[len(prefix):], None) if name.startswith(prefix) else None
+    if cls is torch.optim.LBFGS:
+        raise UnsupportedStateError("LBFGS needs a closure to step, so its gradient deltas cannot be replayed")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise UnsupportedStateError(
             f"the chain's optimizer {name!r} is not a torch.optim class; gradient deltas can only "

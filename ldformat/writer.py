@@ -215,6 +215,7 @@ class ChainWriter:
             if p.exists() and not p.is_dir():
                 raise UsageError(f"{where}: exists and is not a directory")
             p.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(p.resolve().parent)  # the chain directory's own entry must be durable
             store = LocalStore(p)
         if store.exists(ROOT_FILE):
             raise ChainExistsError(f"{where}: already holds a chain; use ChainWriter.open to append")
@@ -376,7 +377,11 @@ class ChainWriter:
         as a step without an optimizer update.
         """
         self._check_usable()
-        self.check_param_groups()
+        try:
+            self.check_param_groups()
+        except UnsupportedStateError as e:
+            self._failed = e
+            raise
         if self._captures_since_record > 1:
             raise UsageError(
                 f"{self.path}: optimizer.step() ran {self._captures_since_record} times since the "
@@ -648,6 +653,19 @@ class ChainWriter:
             self.close()
         else:
             self.abort()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the data files are still synced
+    finally:
+        os.close(fd)
 
 
 def build_schema(
