@@ -15,6 +15,8 @@ def unreferenced_objects(store: Store, state: ChainState) -> list[str]:
     referenced = state.referenced_objects()
     out = [p for prefix in ("anchors", "deltas") for p in store.list(prefix) if p not in referenced]
     out += [p for p in store.list(LOG_DIR) if p.split("/")[-1].startswith(".tmp-")]
+    # Temporary files of an interrupted exclusive create at the root (lock, root metadata).
+    out += [p for p in store.list("") if "/" not in p and p.startswith(".tmp-")]
     # Records superseded by the newest snapshot.
     out += [log_path(s) for s in log_sequence_numbers(store) if s < state.first_seq]
     return out

@@ -15,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from .errors import ChainLockedError
+from .errors import ChainLockedError, WriterIOError
 from .manifest import LOCK_FILE
 from .store import Store
 
@@ -66,6 +66,11 @@ class WriterLock:
                 return cls(store, owner), previous
             except FileExistsError:
                 pass
+            except OSError as e:
+                err = WriterIOError(f"{where}/{LOCK_FILE}: cannot take the writer lock: {e.strerror or e} "
+                                    f"(errno {e.errno})")
+                err.errno = e.errno
+                raise err from None
             try:
                 previous = json.loads(store.read(LOCK_FILE))
                 if not isinstance(previous, dict):

@@ -93,7 +93,10 @@ class ChainReader:
         try:
             data = self.store.read(path)
         except FileNotFoundError:
-            raise MissingObjectError(f"{where}: object is missing; run `ldtools validate` on the chain") from None
+            raise MissingObjectError(
+                f"{where}: object is missing (deleted or never synced); restore it from a copy, or "
+                "`ldtools truncate` the chain before the step that needs it"
+            ) from None
         except IsADirectoryError:
             raise CorruptChainError(f"{where}: expected a file, found a directory") from None
         if len(data) != ref.size:

@@ -10,6 +10,7 @@ drift in ULPs.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,9 @@ class ValidationReport:
 def _message(e: Exception) -> tuple[str, str]:
     text = str(e)
     head, sep, rest = text.partition(": ")
-    return (head, rest) if sep else ("", text)
+    if not sep:
+        return "", text
+    return re.sub(r" \(step -?\d+\)$", "", head), rest
 
 
 def validate(

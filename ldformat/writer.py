@@ -219,7 +219,7 @@ class ChainWriter:
             store = LocalStore(p)
         if store.exists(ROOT_FILE):
             raise ChainExistsError(f"{where}: already holds a chain; use ChainWriter.open to append")
-        if store.list(""):
+        if [p for p in store.list("") if not p.startswith(".tmp-")]:  # leftovers of a crashed create are fine
             raise UsageError(f"{where}: directory is not empty; create a chain in a new or empty directory")
         schema = build_schema(model, optimizer, kind, compressor)
         device = str(next(iter(optimizer_params(optimizer)), torch.empty(0)).device.type)
@@ -237,15 +237,21 @@ class ChainWriter:
         except FileExistsError:
             raise ChainExistsError(f"{where}: another process created a chain here concurrently") from None
         except OSError as e:
-            raise WriterIOError(f"{where}/{ROOT_FILE}: cannot create the chain: {e.strerror or e}") from None
+            err = WriterIOError(f"{where}/{ROOT_FILE}: cannot create the chain: {e.strerror or e} (errno {e.errno})")
+            err.errno = e.errno
+            raise err from None
         lock, _ = WriterLock.acquire(store, where)
         writer = cls(path=where, store=store, root=root, state=ChainState(), lock=lock, model=model,
                      optimizer=optimizer, compressor=compressor, batch_steps=batch_steps, anchor_every=anchor_every,
                      capture_hook=capture_hook)
-        writer._last_step = step
-        writer._last_extra = encode(extra or {}, "extra")
-        writer._reset_xor_base_from_live()
-        writer.write_anchor(step)
+        try:
+            writer._last_step = step
+            writer._last_extra = encode(extra or {}, "extra")
+            writer._reset_xor_base_from_live()
+            writer.write_anchor(step)
+        except BaseException:
+            writer.abort()  # release the lock and the optimizer hook: the chain can be re-opened
+            raise
         return writer
 
     @classmethod
@@ -294,15 +300,19 @@ class ChainWriter:
         except BaseException:
             lock.release()
             raise
-        if state.latest_step is None:
-            writer._last_step = 0
-            writer._reset_xor_base_from_live()
-            writer.write_anchor(0)
-        elif root.kind == "state.xor":
-            # The XOR base is what the chain holds, so deltas stay exact even if the live
-            # state was not reloaded.
-            latest = ChainReader(path, store=store).materialize(state.latest_step)
-            writer._set_xor_base(latest)
+        try:
+            if state.latest_step is None:
+                writer._last_step = 0
+                writer._reset_xor_base_from_live()
+                writer.write_anchor(0)
+            elif root.kind == "state.xor":
+                # The XOR base is what the chain holds, so deltas stay exact even if the live
+                # state was not reloaded.
+                latest = ChainReader(path, store=store).materialize(state.latest_step)
+                writer._set_xor_base(latest)
+        except BaseException:
+            writer.abort()
+            raise
         return writer
 
     # -- capture -------------------------------------------------------------------------
@@ -556,7 +566,8 @@ class ChainWriter:
         if not self._pending_anchors and not self._pending_deltas:
             return self.durable_step
         started = time.perf_counter()
-        self._io("data objects", self.store.sync, self._written)
+        self._io(f"{len(self._written)} new objects ({', '.join(self._written[:3])}...)", self.store.sync,
+                 self._written)
         record = Record(
             seq=self._state.last_seq + 1,
             type="append",
@@ -605,9 +616,10 @@ class ChainWriter:
             self._failed = e
             raise
         except OSError as e:
+            durable = "no step is durable yet" if self.durable_step is None else (
+                f"nothing after step {self.durable_step} is durable and the chain is valid there")
             err = WriterIOError(
-                f"{self.path}/{what}: {e.strerror or e} (errno {e.errno}); nothing after step "
-                f"{self.durable_step} is durable and the chain is valid there. Fix the cause and "
+                f"{self.path}/{what}: {e.strerror or e} (errno {e.errno}); {durable}. Fix the cause and "
                 "re-open the chain with ChainWriter.open to continue"
             )
             err.errno = e.errno
