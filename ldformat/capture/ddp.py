@@ -7,8 +7,7 @@ dense average. The union of the gathered indices is what the optimizer consumes:
 handed to the :class:`~ldformat.TopK` so that a ``grad.topk`` chain records exactly that.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 from typing import Any
 
 import torch

@@ -26,6 +26,7 @@ import statistics
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,9 +66,10 @@ class CaptureStats:
     background_wall_s: float = 0.0
     commits: int = 0
     anchors_written: int = 0
-    step_times: list[float] = field(default_factory=list)
-    optimizer_times: list[float] = field(default_factory=list)
-    stalls: list[float] = field(default_factory=list)
+    # The most recent per-step measurements (bounded: the policy reads the last 50).
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    optimizer_times: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    stalls: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     policy: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,6 +197,7 @@ class Checkpointer:
         self._closed = False
         self._policy_done = False
         self._last_step_bytes = 0
+        self._stall_accounted = 0.0
 
         started = time.perf_counter()
         self.writer = self._open_writer(step, store)
@@ -490,16 +493,17 @@ class Checkpointer:
             nbytes = sum(t.numel() * t.element_size() for t in self.writer.live_state_tensors().values())
             anchor_write = nbytes / 200e6  # until one is measured: a conservative 200 MB/s
         return PolicyInputs(
-            step_time_s=statistics.median(self.stats.step_times[-50:]),
+            step_time_s=statistics.median(list(self.stats.step_times)[-50:]),
             anchor_write_s=anchor_write,
-            replay_step_s=statistics.median(self.stats.optimizer_times[-50:]),
+            replay_step_s=statistics.median(list(self.stats.optimizer_times)[-50:]),
             commit_s=self.writer.last_commit_seconds or 0.005,
             mtbf_s=self.mtbf_s,
         )
 
     def _tune(self) -> None:
         if self.stats.step_times:
-            stall = self.stats.stall_s - sum(self.stats.stalls)
+            stall = self.stats.stall_s - self._stall_accounted
+            self._stall_accounted = self.stats.stall_s
             self.stats.stalls.append(stall)
             self.tuner.observe(stall, self.stats.step_times[-1])
         if not self._policy_done and (self._auto_anchor or self._auto_batch):
@@ -551,7 +555,7 @@ class Checkpointer:
                         self.stats.commits += self.writer.commits - commits
                     if captured.anchor:
                         self.stats.anchors_written += 1
-                        self._anchor_write_s = self.writer.last_commit_seconds + (time.perf_counter() - started)
+                        self._anchor_write_s = time.perf_counter() - started
             except BaseException as e:  # surfaced in the training thread at its next call
                 self._error = e
                 log.error("%s: checkpoint writer failed at step %d: %s", self.path, captured.step, e)
@@ -672,7 +676,7 @@ class ResidualPeer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK, *, anchor_every: int,
-                 model: torch.nn.Module, step: int = 0, process_group: Any = None) -> None:
+                 model: torch.nn.Module, step: int = 0, process_group: Any = None, scaler: Any = None) -> None:
         self.compressor = compressor
         self.anchor_every = _positive(anchor_every, "anchor_every")
         self.step = step
@@ -682,9 +686,27 @@ class ResidualPeer:
             by_id.setdefault(id(p), name)
         self._names = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
         self._last_anchor = step
+        self._stepped = False
         self._handle = optimizer.register_step_post_hook(self._post_hook)
+        self._scaler = scaler
+        self._scaler_class = type(scaler) if scaler is not None else None
+        if scaler is not None:
+            # Count steps like the Checkpointer: one per scaler.update(), skipped or not.
+            cls = type(scaler)
+            peer = self
+
+            def update(this: Any, *args: Any, **kwargs: Any) -> Any:
+                result = cls.update(this, *args, **kwargs)
+                peer._count_step()
+                return result
+
+            scaler.__class__ = type(cls.__name__, (cls,), {"update": update, "__module__": cls.__module__})
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._scaler is None:
+            self._count_step()
+
+    def _count_step(self) -> None:
         self.step += 1
         if self.step - self._last_anchor >= self.anchor_every:
             gather_residuals(self.compressor, self._names, self.process_group)
@@ -692,6 +714,8 @@ class ResidualPeer:
 
     def close(self) -> None:
         self._handle.remove()
+        if self._scaler is not None and self._scaler_class is not None:
+            self._scaler.__class__ = self._scaler_class
 
 
 def _positive(value: Any, name: str) -> int:
