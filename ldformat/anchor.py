@@ -27,7 +27,8 @@ def encode_anchor(tensors: dict[str, torch.Tensor], step: int) -> bytes:
 def decode_anchor(data: bytes, step: int, where: str) -> dict[str, torch.Tensor]:
     """Parse a verified anchor object; checks the metadata names the expected step."""
     try:
-        tensors = safetensors.torch.load(data)
+        # safetensors returns tensors in no fixed order: sort for deterministic output.
+        tensors = dict(sorted(safetensors.torch.load(data).items()))
         meta = _metadata(data)
     except CorruptChainError:
         raise
@@ -36,6 +37,17 @@ def decode_anchor(data: bytes, step: int, where: str) -> dict[str, torch.Tensor]
     if meta.get("ldformat.format") != "anchor" or meta.get("ldformat.step") != str(step):
         raise CorruptChainError(f"{where}: anchor metadata does not name step {step}")
     return tensors
+
+
+def tensor_bytes(data: bytes, prefix: str) -> int:
+    """Bytes of the tensors whose name starts with ``prefix``, from the header alone."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    return sum(
+        int(v["data_offsets"][1]) - int(v["data_offsets"][0])
+        for k, v in header.items()
+        if k != "__metadata__" and k.startswith(prefix)
+    )
 
 
 def _metadata(data: bytes) -> dict[str, str]:

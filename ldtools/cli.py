@@ -96,12 +96,22 @@ def cli() -> None:
     """
 
 
+def _state_bytes(reader: ChainReader, step: int) -> int:
+    """An anchor's size without top-k residuals: the size of one full checkpoint of the state."""
+    from ldformat.anchor import tensor_bytes
+
+    entry = reader.state.anchors[step]
+    if reader.kind != "grad.topk":
+        return entry.object.size
+    return entry.object.size - tensor_bytes(reader.read_object(entry.object, step), "compressor")
+
+
 def chain_info(reader: ChainReader) -> dict[str, Any]:
     state = reader.state
     anchors = sorted(state.anchors.items())
     delta_bytes = sum(o.size for d in state.delta_entries() for o in d.objects)
     n_deltas = len(state.deltas)
-    full = max((a.object.size for _, a in anchors), default=0)
+    full = _state_bytes(reader, anchors[-1][0]) if anchors else 0
     total = reader.bytes_on_disk()
     steps = reader.steps
     return {
@@ -194,6 +204,9 @@ def _atomic_write(out: Path, write: Callable[[str], None]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the mode open() would
     try:
         write(tmp)
         with open(tmp, "rb") as f:
