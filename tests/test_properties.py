@@ -39,7 +39,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, float):
         return np.float64(a).tobytes() == np.float64(b).tobytes()
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     return bool(a == b)
@@ -144,7 +144,8 @@ refs = st.builds(ObjectRef, path=st.from_regex(r"[a-z0-9]{1,6}(/[a-z0-9.]{1,6}){
 def records(draw: Any) -> Record:
     groups = [encode({"lr": draw(st.floats(0, 1)), "betas": (0.9, 0.999), "params": [0, 1]})]
     anchors = tuple(
-        AnchorEntry(step=s, object=draw(refs), param_groups=groups, extra=encode(draw(st.dictionaries(st.text(max_size=3), json_leaf, max_size=2))))
+        AnchorEntry(step=s, object=draw(refs), param_groups=groups,
+                    extra=encode(draw(st.dictionaries(st.text(max_size=3), json_leaf, max_size=2))))
         for s in draw(st.lists(st.integers(0, 100), max_size=2, unique=True))
     )
     steps = tuple(
