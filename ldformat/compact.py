@@ -1,4 +1,4 @@
-"""Compaction, retention and truncation (spec §12).
+"""Compaction, retention and truncation (spec §16 "Truncation", §17 "Compaction and retention").
 
 All three rewrite what the chain *references*, never an existing object: new anchors and
 merged deltas are written under fresh names and made durable, then one ``snapshot`` record

@@ -1,4 +1,4 @@
-"""Delta batches as Zarr v3 groups (spec §8, "Deltas").
+"""Delta batches as Zarr v3 groups (spec §10, "Deltas").
 
 A batch holds the deltas of consecutive steps, one *row* per step, over a list of *slots*
 (tensors). Everything is flat and concatenated so that a batch costs a handful of arrays,
@@ -32,7 +32,7 @@ from .state import bits_view
 
 WIDTH_DTYPES: dict[int, Any] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 CHUNK_BYTES = 8 << 20
-# Measured (spec §8.4): bitshuffle+zstd on gap-coded indices, byte shuffle+zstd on values.
+# Measured (spec §23, "Codec ratios"): bitshuffle+zstd on gap-coded indices, byte shuffle+zstd on values.
 INDEX_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}
 VALUE_CODECS = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle"}
 
@@ -185,6 +185,18 @@ def segment_to_tensor(seg: Segment, slot: SlotInfo) -> torch.Tensor:
     if dtype == torch.bool:
         return bits.view(torch.bool).reshape(slot.shape)
     return bits.view(dtype).reshape(slot.shape)
+
+
+def fill_from_segment(out: torch.Tensor, seg: Segment) -> None:
+    """Write a segment into an existing tensor of the slot's dtype and shape (no allocation)."""
+    idx, vals = seg
+    signed = torch.from_numpy(np.ascontiguousarray(vals).view(SIGNED_NP[vals.dtype.itemsize]))
+    view = bits_view(out).reshape(-1)
+    if idx is None:
+        view.copy_(signed)
+    else:
+        view.zero_()
+        view[torch.from_numpy(idx)] = signed
 
 
 def xor_into(target: torch.Tensor, seg: Segment) -> None:

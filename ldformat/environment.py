@@ -1,4 +1,4 @@
-"""The replay environment recorded with a chain (spec §10).
+"""The replay environment recorded with a chain (spec §13).
 
 Gradient replay is bit-exact only with the same torch build, device type, CPU instruction
 set that torch dispatches to, and optimizer kernel path. The chain records them; readers

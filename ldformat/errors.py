@@ -1,4 +1,4 @@
-"""Error hierarchy (spec §12, "Errors").
+"""Error hierarchy (spec §23, "Errors"; exit codes §18).
 
 Every error names the file and/or step involved and says what to do. Each class also
 inherits the closest builtin so that callers catching ``OSError`` or ``ValueError`` keep
@@ -60,7 +60,7 @@ class WriterIOError(ChainError, OSError):
 
 
 class UnsupportedStateError(LdformatError, TypeError):
-    """The model or optimizer uses something the format refuses (spec §7.4)."""
+    """The model or optimizer uses something the format refuses (spec §12)."""
 
 
 class UsageError(LdformatError, ValueError):

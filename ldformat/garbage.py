@@ -1,4 +1,4 @@
-"""Removing objects no commit record references (spec §5.4, "Leftovers").
+"""Removing objects no commit record references (spec §7.5, "Leftovers").
 
 A crashed writer or compaction leaves objects under ``anchors/`` and ``deltas/`` and
 temporary files under ``log/`` that no record references. Only the holder of the writer

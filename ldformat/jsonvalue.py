@@ -1,4 +1,4 @@
-"""Tagged JSON for hyperparameters and extra state (spec §6.3, "JSON values").
+"""Tagged JSON for hyperparameters and extra state (spec §6, "JSON values").
 
 Plain JSON cannot hold tuples (Adam's ``betas``), non-finite floats, dicts with non-string
 keys (scheduler states) or small tensors (RNG states). Those are written as single-key
@@ -134,7 +134,7 @@ def object_checksum(path: str, data: bytes | bytearray | memoryview) -> str:
     Seeding with the path matters: a Zarr chunk ends with its own crc32c, and the crc32c of
     any message followed by its own crc32c is a constant, so an unseeded checksum would be
     the same for every intact chunk. Seeded, it still depends only on the path and size for
-    an intact chunk (spec §19.5): it catches damage and objects moved between paths, while
+    an intact chunk (spec §21.5): it catches damage and objects moved between paths, while
     the chunk's own crc32c vouches for its content.
     """
     return f"{google_crc32c.extend(google_crc32c.value(path.encode()), bytes(data)):08x}"

@@ -1,4 +1,4 @@
-"""The single-writer lock (spec §5.5).
+"""The single-writer lock (spec §15).
 
 ``writer.lock`` is created exclusively and names its owner (host, pid, process start time).
 A lock whose owner is on this host and no longer runs is stale: the next writer takes it

@@ -1,4 +1,4 @@
-"""Root metadata and the commit log (spec §4 "Root metadata" and §5 "Commit log").
+"""Root metadata and the commit log (spec §5 "Root metadata" and §7 "Commit log").
 
 The log is a directory of immutable, exclusively created JSON records ``log/<seq>.json``.
 The visible state of a chain is the result of applying the records in sequence order,
@@ -110,7 +110,7 @@ class AnchorEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class SlotInfo:
-    """One tensor carried by a delta batch (spec §8.2)."""
+    """One tensor carried by a delta batch (spec §10.3)."""
 
     name: str
     dtype: str
@@ -144,7 +144,7 @@ class SlotInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class StepEntry:
-    """What a reader needs to apply the delta of one step (spec §8.3)."""
+    """What a reader needs to apply the delta of one step (spec §10.4)."""
 
     step: int
     base: int

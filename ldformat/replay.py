@@ -1,4 +1,4 @@
-"""Replay: turn an anchor plus deltas into the state of a later step (spec §8.5).
+"""Replay: turn an anchor plus deltas into the state of a later step (spec §11.5, §11.6).
 
 ``grad.*`` deltas are replayed by rebuilding the recorded ``torch.optim`` optimizer over the
 anchor's tensors, setting each parameter's ``grad`` to the recorded gradient (``None`` where
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .delta import Segment, segment_to_tensor, xor_into
+from .delta import Segment, fill_from_segment, segment_to_tensor, xor_into
 from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import decode, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
@@ -44,6 +44,7 @@ class Replayer:
         self.extra = extra
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: list[torch.Tensor] = []
+        self._grad_buffers: dict[int, torch.Tensor] = {}
 
     # -- gradient replay -------------------------------------------------------------
     def _build_optimizer(self) -> torch.optim.Optimizer:
@@ -87,7 +88,16 @@ class Replayer:
                 group["params"] = params
             for i, p in enumerate(self._params):
                 seg = row.get(f"grad/{i}")
-                p.grad = None if seg is None else segment_to_tensor(seg, slots[f"grad/{i}"])
+                if seg is None:
+                    p.grad = None
+                    continue
+                slot = slots[f"grad/{i}"]
+                buf = self._grad_buffers.get(i)
+                if buf is None or tuple(buf.shape) != slot.shape or buf.dtype != parse_dtype(slot.dtype):
+                    buf = self._grad_buffers[i] = segment_to_tensor(seg, slot)
+                else:
+                    fill_from_segment(buf, seg)  # reuse: replay allocates no gradient per step
+                p.grad = buf
             with torch.no_grad():
                 opt.step()
             for p in self._params:

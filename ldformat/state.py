@@ -1,4 +1,4 @@
-"""What "state" means and how live objects map onto stored names (spec §7).
+"""What "state" means and how live objects map onto stored names (spec §8).
 
 The training state ``M_s`` is the model's ``state_dict`` (parameters and persistent
 buffers), the full optimizer state (per-parameter tensors and the param groups) and small
@@ -6,7 +6,8 @@ extra state. Stored tensor names are::
 
     model/<state_dict key>          one entry per storage; tied keys are aliases
     optimizer/<param index>/<key>   per-parameter optimizer state, in optimizer order
-    compressor/<parameter name>     top-k error-feedback residuals (anchors only)
+    compressor/<parameter name>     top-k error-feedback residuals of rank 0 (anchors only)
+    compressor@<r>/<parameter name> the residuals of rank r >= 1 (data-parallel lowdiff)
 """
 
 from __future__ import annotations

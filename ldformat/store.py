@@ -1,4 +1,4 @@
-"""Storage interface (spec §5, "Commit protocol").
+"""Storage interface (spec §7.4, "Commit protocol").
 
 The format needs five primitives from a storage backend: write a new object, make a set of
 written objects durable, create an object *exclusively* (the commit record), read, list and
@@ -6,7 +6,7 @@ delete. :class:`LocalStore` implements them on a POSIX file system; the interfac
 so that an object store (conditional put with ``If-None-Match: *``, no rename) fits it too.
 
 All paths are ``/``-separated and relative to the chain root. Paths are checked so that a
-hostile log record cannot reach outside the chain (spec §13).
+hostile log record cannot reach outside the chain (spec §21.2).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Top-k gradient compression with error feedback (LowDiff; spec §8.1 ``grad.topk``).
+"""Top-k gradient compression with error feedback (LowDiff; spec §11.1 ``grad.topk``, §14).
 
 ``TopK.compress_(model)`` runs after ``backward()`` and before ``optimizer.step()``. For each
 parameter it adds the residual carried from earlier steps, keeps the ``k`` entries of largest

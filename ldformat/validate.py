@@ -1,4 +1,4 @@
-"""Validation of a chain (spec §11.3): every record, every object, every step.
+"""Validation of a chain (spec §18): every record, every object, every step.
 
 ``validate(path)`` checks what a reader would check on every read, for the whole chain:
 record checksums and sequence, object sizes and crc32c, anchor and delta decoding, and that

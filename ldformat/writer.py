@@ -1,4 +1,4 @@
-"""The chain writer (spec §5 "Commit protocol", §8 "Deltas", §9 "Anchors").
+"""The chain writer (spec §7.4 "Commit protocol", §10 "Deltas", §9 "Anchors").
 
 Call order in a training loop::
 

@@ -1,4 +1,4 @@
-"""Top-k compression as a DDP communication hook (LowDiff; spec §20.7).
+"""Top-k compression as a DDP communication hook (LowDiff; spec §20.5).
 
 Each rank selects the top-k entries of every parameter's gradient (with its own
 per-parameter residual, not per bucket: DDP rebuilds its buckets after the first

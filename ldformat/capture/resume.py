@@ -1,4 +1,4 @@
-"""Resuming training from a chain (spec §20.6)."""
+"""Resuming training from a chain (spec §19.5)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,18 @@ from ..reader import ChainReader
 from ..store import Store
 from ..topk import TopK
 from .rng import restore_rng
+
+
+def _exact_step(reader: ChainReader) -> int:
+    """The latest anchor; for grad.topk the latest one that holds residuals (compaction anchors do not)."""
+    if reader.kind == "grad.topk":
+        from ..anchor import tensor_bytes
+
+        for s in reversed(reader.anchors):
+            entry = reader.state.anchors[s]
+            if tensor_bytes(reader.read_object(entry.object, s), "compressor") > 0:
+                return s
+    return reader.anchors[-1]
 
 
 def resume(
@@ -41,7 +53,7 @@ def resume(
         exact: resume from the latest *anchor* instead of the latest step. In ``lowdiff``
             mode only anchors hold the top-k residuals, so only this continues exactly like
             the uninterrupted run; from a later delta step the residuals restart at zero,
-            which changes the following compressed gradients (spec §14).
+            which changes the following compressed gradients (spec §14.2).
         step: an explicit step to resume from.
         rank: whose top-k residuals ``compressor`` receives (data-parallel ``lowdiff``).
 
@@ -55,7 +67,7 @@ def resume(
     if reader.latest_step is None:
         return 0
     if step is None:
-        step = reader.anchors[-1] if exact else reader.latest_step
+        step = _exact_step(reader) if exact else reader.latest_step
     elif step not in reader.steps:
         raise StepNotFoundError(f"{path}: step {step} is not in the chain")
     state = reader.materialize(step)

@@ -1,4 +1,4 @@
-"""Capture and restore of random number generator states (spec §20.3)."""
+"""Capture and restore of random number generator states (spec §19.2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The capture runtime: checkpoint every step without stalling training (spec §20).
+"""The capture runtime: checkpoint every step without stalling training (spec §20; extra state §19).
 
 ``Checkpointer`` hooks into the optimizer and captures each step at the points where its
 parts are final:
@@ -111,7 +111,7 @@ class Checkpointer:
             ``step``/``update`` methods are wrapped while the checkpointer is open).
         sampler: an object with ``state_dict``/``load_state_dict`` (e.g.
             :class:`ResumableSampler`) whose position is captured.
-        anchor_every, batch_steps: in steps, or ``"auto"`` (wasted-time model, spec §20.5).
+        anchor_every, batch_steps: in steps, or ``"auto"`` (wasted-time model, spec §20.6).
         topk_ratio: the top-k ratio of ``lowdiff`` mode.
         compressor: a :class:`TopK` to use (e.g. the one a DDP comm hook runs); with
             ``compress=False`` the checkpointer does not compress, it only reads the
@@ -248,14 +248,14 @@ class Checkpointer:
             log.warning("%s: truncating steps after %d: training resumes from there", self.path, target)
             truncate(self.path, target, store=store)
         if self.compressor is not None and target is not None:
-            if target in reader.anchors:
-                tensors = reader.load_anchor_tensors(target)
-                self.compressor.load_residuals(
-                    {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
-                )
+            tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
+            residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
+            if residuals:
+                self.compressor.load_residuals(residuals)
             else:
-                log.warning("%s: resuming lowdiff from delta step %s: top-k residuals restart from zero "
-                            "(resume from an anchor for an exact continuation)", self.path, target)
+                log.warning("%s: step %s holds no top-k residuals (a delta step or a compaction anchor): they "
+                            "restart from zero; resume from a writer's anchor for an exact continuation",
+                            self.path, target)
                 self.compressor.load_residuals({})
         return ChainWriter.open(self.path, self.model, self.optimizer, **common)
 
@@ -450,7 +450,7 @@ class Checkpointer:
         captured = CapturedStep(
             step=step,
             stepped=pending.stepped,
-            hyper=pending.hyper if pending.stepped else None,
+            hyper=pending.hyper if pending.stepped and self.mode != "xor" else None,
             param_groups=encode_param_groups(self.optimizer, with_params=True),
             extra=self._extra(pending.rng, pending.data),
             tensors=pending.tensors,
@@ -526,6 +526,8 @@ class Checkpointer:
                     inputs.mtbf_s / 3600)
         if self.tuner.due():
             anchor_every, batch_steps, fraction = self.tuner.adjust(self.anchor_every, self.batch_steps)
+            if self.world_size > 1:
+                anchor_every = self.anchor_every  # ResidualPeers on other ranks count with the same interval
             self.stats.policy["last_stall_fraction"] = fraction
             if (anchor_every, batch_steps) != (self.anchor_every, self.batch_steps):
                 log.info("ldformat: stall %.1f%% > %.1f%%: anchor_every %d -> %d, batch_steps %d -> %d",

@@ -1,4 +1,4 @@
-"""Reusable host buffers and device-to-host copies (spec §20.2, "Capture pipeline").
+"""Reusable host buffers and device-to-host copies (spec §20.3, "Capture pipeline").
 
 Captured tensors are copied into host buffers that are allocated once and reused, so the
 capture path does not allocate per step. With CUDA the buffers are pinned and the copies
