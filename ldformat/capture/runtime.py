@@ -207,6 +207,7 @@ class Checkpointer:
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
         self._param_names: list[str] = self.writer.root.schema["optimizer"]["params"]
         self._params = params
+        self._state_keys = self._optimizer_state_keys()
         self._replica: Replayer | None = None
         if mode == "lowdiff+":
             self._replica = self._make_replica()
@@ -223,6 +224,9 @@ class Checkpointer:
             self._wrap(scheduler, "step", self._after_scheduler_step)
         if scaler is not None:
             self._wrap(scaler, "update", self._after_scaler_update)
+            # GradScaler.unscale_ (also called inside scaler.step) rewrites the gradients in
+            # place without bumping their version counters: re-copy every staged gradient.
+            self._wrap(scaler, "unscale_", lambda: self._staged_versions.clear())
         self._thread = threading.Thread(target=self._worker, name="ldformat-writer", daemon=True)
         self._thread.start()
         _open_checkpointers.add(self)
@@ -439,8 +443,16 @@ class Checkpointer:
             self._capture_after_step(pending)
         step = pending.step
         anchor = step - self._last_anchor >= self.anchor_every
+        # A step the optimizer skipped can still create its state: a fused optimizer
+        # initializes it before the kernel sees GradScaler's found_inf. Replay cannot rebuild
+        # that, so such a step becomes an anchor of the live state.
+        state_keys = self._optimizer_state_keys()
+        live_anchor = (self.mode != "xor" and self.world_size == 1 and not pending.stepped
+                       and state_keys != self._state_keys)
+        self._state_keys = state_keys
+        anchor = anchor or live_anchor
         anchor_tensors = None
-        if anchor and self.mode == "lowdiff":
+        if anchor and (self.mode == "lowdiff" or live_anchor):
             anchor_tensors = self.writer.snapshot_anchor_tensors()
             if self.world_size > 1 and self.compressor is not None:
                 ranks = gather_residuals(self.compressor, self._param_names, self.process_group)
@@ -466,6 +478,9 @@ class Checkpointer:
             self._last_anchor = step
         self.stats.steps += 1
         self._tune()
+
+    def _optimizer_state_keys(self) -> frozenset[tuple[int, str]]:
+        return frozenset((i, k) for i, p in enumerate(self._params) for k in self.optimizer.state.get(p, {}))
 
     def _extra(self, rng: Any, data: Any) -> Any:
         extra: dict[str, Any] = {"rng": rng}
@@ -526,9 +541,10 @@ class Checkpointer:
                     inputs.mtbf_s / 3600)
         if self.tuner.due():
             anchor_every, batch_steps, fraction = self.tuner.adjust(self.anchor_every, self.batch_steps)
-            if self.world_size > 1:
-                anchor_every = self.anchor_every  # ResidualPeers on other ranks count with the same interval
             self.stats.policy["last_stall_fraction"] = fraction
+            # Explicit values are kept (ranks of data-parallel lowdiff rely on anchor_every).
+            anchor_every = anchor_every if self._auto_anchor else self.anchor_every
+            batch_steps = batch_steps if self._auto_batch else self.batch_steps
             if (anchor_every, batch_steps) != (self.anchor_every, self.batch_steps):
                 log.info("ldformat: stall %.1f%% > %.1f%%: anchor_every %d -> %d, batch_steps %d -> %d",
                          100 * fraction, 100 * self.tuner.max_stall, self.anchor_every, anchor_every,
@@ -576,7 +592,10 @@ class Checkpointer:
         entry = StepEntry(step=captured.step, base=captured.step - 1, row=0, stepped=captured.stepped,
                           hyper=captured.hyper, param_groups=captured.param_groups, extra=captured.extra)
         self._replica.apply_grad_step(entry, row, slots, f"{self.path} replica (step {captured.step})")
-        if captured.anchor:
+        if captured.anchor and captured.anchor_tensors is not None:  # a live snapshot: re-seed the replica
+            self._replica = Replayer(self.writer.root, {n: t.clone() for n, t in captured.anchor_tensors.items()},
+                                     captured.param_groups, captured.extra)
+        elif captured.anchor:
             self._replica.sync_optimizer_tensors()
             captured.anchor_tensors = {n: t.detach() for n, t in self._replica.tensors.items()}
 
@@ -611,7 +630,12 @@ class Checkpointer:
         self._raise_if_failed()
         state = self._replica.result(self._step)
         model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        # Optimizer.load_state_dict keeps the tensors it is given: hand it copies, or the
+        # live optimizer and the replica would share (and both step) the same state.
+        optimizer.load_state_dict({
+            "state": {i: {k: v.clone() for k, v in st.items()} for i, st in state["optimizer"]["state"].items()},
+            "param_groups": state["optimizer"]["param_groups"],
+        })
         return self._step
 
     def close(self) -> int | None:
@@ -742,7 +766,6 @@ def _inverse_scale(grad_scale: torch.Tensor | None) -> float | None:
 _open_checkpointers: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
-@atexit.register
 def _close_at_exit() -> None:
     # Interpreter exit flushes a partial batch rather than dropping it.
     for ck in list(_open_checkpointers):
@@ -750,3 +773,14 @@ def _close_at_exit() -> None:
             ck.close()
         except Exception as e:  # nothing to raise to at exit
             log.error("ldformat: closing %s at exit failed: %s", ck.path, e)
+
+
+# Interpreter exit first runs threading's exit hooks, among them the one that makes every
+# ThreadPoolExecutor refuse new work (zarr encodes through one), then the atexit handlers.
+# Flush among the former, before that hook: those run in reverse order of registration.
+import concurrent.futures.thread  # noqa: E402,F401  (registers its hook before ours)
+
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
+else:  # pragma: no cover
+    atexit.register(_close_at_exit)
