@@ -18,6 +18,7 @@ writes and commits. Training blocks only when every buffer set is in flight.
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import math
 import os
@@ -238,7 +239,7 @@ class Checkpointer:
                   "capture_hook": False}
         if not exists:
             return ChainWriter.create(self.path, self.model, self.optimizer, kind=self.kind, step=step or 0,
-                                      extra=self._extra(capture_rng(), self._data_state()), **common)
+                                      extra=self._raw_extra(capture_rng(), self._data_state()), **common)
         reader = ChainReader(self.path, store=store)
         if reader.kind != self.kind:
             raise UsageError(f"{self.path}: the chain has kind {reader.kind}; mode {self.mode!r} writes {self.kind}")
@@ -464,7 +465,7 @@ class Checkpointer:
             stepped=pending.stepped,
             hyper=pending.hyper if pending.stepped and self.mode != "xor" else None,
             param_groups=encode_param_groups(self.optimizer, with_params=True),
-            extra=self._extra(pending.rng, pending.data),
+            extra=self._raw_extra(pending.rng, pending.data),  # encoded by the background writer
             tensors=pending.tensors,
             anchor=anchor,
             anchor_tensors=anchor_tensors,
@@ -482,18 +483,19 @@ class Checkpointer:
     def _optimizer_state_keys(self) -> frozenset[tuple[int, str]]:
         return frozenset((i, k) for i, p in enumerate(self._params) for k in self.optimizer.state.get(p, {}))
 
-    def _extra(self, rng: Any, data: Any) -> Any:
+    def _raw_extra(self, rng: Any, data: Any) -> dict[str, Any]:
+        """The extra state of this step as Python values (spec §19.1); copies, not live objects."""
         extra: dict[str, Any] = {"rng": rng}
         if self.scheduler is not None:
-            extra["scheduler"] = self.scheduler.state_dict()
+            extra["scheduler"] = copy.deepcopy(self.scheduler.state_dict())
         if self.scaler is not None:
             extra["scaler"] = self.scaler.state_dict()
         if data is not None:
             extra["data"] = data
         extra["policy"] = {"anchor_every": self.anchor_every, "batch_steps": self.batch_steps}
         if self.user_extra:
-            extra["user"] = self.user_extra
-        return encode(extra, "extra")
+            extra["user"] = copy.deepcopy(self.user_extra)
+        return extra
 
     def _data_state(self) -> Any:
         return self.sampler.state_dict() if self.sampler is not None else None
@@ -564,6 +566,8 @@ class Checkpointer:
             started = time.perf_counter()
             try:
                 if self._error is None:
+                    # JSON encoding of the extra state (RNG states...) is off the training thread.
+                    captured.extra = encode(captured.extra, "extra")
                     Stager.wait(buffers)
                     commits = self.writer.commits
                     if self._replica is not None:
