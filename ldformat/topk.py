@@ -34,6 +34,7 @@ class TopK:
         self.residuals: dict[str, torch.Tensor] = {}
         self.indices: dict[str, torch.Tensor] = {}
         self.generation = 0
+        self._scratch: dict[str, torch.Tensor] = {}
 
     def k_for(self, numel: int) -> int:
         return max(1, min(numel, math.ceil(self.ratio * numel)))
@@ -49,7 +50,11 @@ class TopK:
             if name not in self.residuals:
                 self.residuals[name] = torch.zeros_like(flat)
             flat.add_(self.residuals[name])
-        _, idx = torch.topk(flat.abs(), self.k_for(flat.numel()), sorted=False)
+        scratch = self._scratch.get(name)
+        if scratch is None or scratch.shape != flat.shape or scratch.dtype != flat.dtype:
+            scratch = self._scratch[name] = torch.empty_like(flat)
+        torch.abs(flat, out=scratch)  # reused: a fresh |g| per step costs more than the top-k itself
+        _, idx = torch.topk(scratch, self.k_for(flat.numel()), sorted=False)
         idx, _ = torch.sort(idx)
         values = flat[idx]
         if self.error_feedback:
