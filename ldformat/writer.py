@@ -165,6 +165,8 @@ class ChainWriter:
         self._written: list[str] = []
         self._xor_base: dict[str, np.ndarray] = {}
         self._failed: LdformatError | None = None
+        self.max_batch_bytes = 1 << 30  # a batch is committed early once its rows hold this much
+        self._batch_bytes = 0
         self.last_commit_seconds = 0.0  # sync + record creation of the latest commit
         self.commits = 0
         # The capture runtime captures gradients itself and appends CapturedSteps.
@@ -477,6 +479,7 @@ class ChainWriter:
         )
         self._rows.append(row)
         self._row_steps.append(entry)
+        self._batch_bytes += sum(vals.nbytes + (0 if idx is None else idx.nbytes) for idx, vals in row.values())
         self._last_step = step
         self._last_extra = captured.extra
         if captured.anchor:
@@ -487,7 +490,7 @@ class ChainWriter:
                 tensors = {n: ct.to_tensor() for n, ct in captured.tensors.items()}
             self._write_anchor_object(step, tensors, captured.param_groups, captured.extra)
             self.commit()
-        elif len(self._rows) >= self.batch_steps:
+        elif len(self._rows) >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes:
             self.commit()
 
     def _slot(self, name: str, ct: CapturedTensor, encoding: str) -> int:
@@ -558,6 +561,7 @@ class ChainWriter:
                        steps=tuple(self._row_steps))
         )
         self._rows, self._row_steps, self._slots, self._slot_index = [], [], [], {}
+        self._batch_bytes = 0
 
     def commit(self) -> int | None:
         """Make everything recorded so far durable; returns the last durable step."""

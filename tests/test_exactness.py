@@ -179,3 +179,21 @@ def test_record_step_out_of_order_and_missing_compress(tmp_path: Any) -> None:
     with pytest.raises(ldformat.UsageError, match="compress"):
         writer.record_step(1)
     writer.abort()
+
+
+def test_batch_is_committed_early_when_it_reaches_max_batch_bytes(tmp_path: Any) -> None:
+    """batch_steps bounds steps per batch; max_batch_bytes bounds the memory a batch holds."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    path = str(tmp_path / "chain")
+    writer = ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=100)
+    writer.max_batch_bytes = 1
+    refs = {0: snapshot(model, opt)}
+    for step in range(1, 5):
+        train_step(model, opt, step)
+        writer.record_step(step)
+        refs[step] = snapshot(model, opt)
+        assert writer.durable_step == step
+    writer.close()
+    check_all_steps(path, refs, "byte-bounded batches")

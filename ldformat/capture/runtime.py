@@ -202,6 +202,7 @@ class Checkpointer:
 
         started = time.perf_counter()
         self.writer = self._open_writer(step, store)
+        self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
         if self.writer.commits:  # create() wrote the first anchor
             self._anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)
