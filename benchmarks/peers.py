@@ -201,14 +201,18 @@ class LdformatConfig(Config):
                              "anchors_written": st.anchors_written, "close_s": self.close_s}
 
 
-class TorchSave(Config):
-    family = "torch.save"
+class EveryK(Config):
+    """A peer that saves every ``interval`` steps into its own directory."""
 
     def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
         super().__init__(name, size, workdir)
         self.interval = interval
         self.dir = workdir / name.replace("/", "-")
         self.dir.mkdir(parents=True, exist_ok=True)
+
+
+class TorchSave(EveryK):
+    family = "torch.save"
 
     def save(self) -> None:
         t0 = time.perf_counter()
@@ -222,14 +226,8 @@ class TorchSave(Config):
         self.stall_s += time.perf_counter() - t0
 
 
-class SafetensorsSave(Config):
+class SafetensorsSave(EveryK):
     family = "safetensors"
-
-    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
-        super().__init__(name, size, workdir)
-        self.interval = interval
-        self.dir = workdir / name.replace("/", "-")
-        self.dir.mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:
         from safetensors.torch import save_file
@@ -243,14 +241,11 @@ class SafetensorsSave(Config):
         self.stall_s += time.perf_counter() - t0
 
 
-class DcpAsync(Config):
+class DcpAsync(EveryK):
     family = "dcp.async_save"
 
     def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
-        super().__init__(name, size, workdir)
-        self.interval = interval
-        self.dir = workdir / name.replace("/", "-")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(name, size, workdir, interval=interval)
         self.future: Any = None
         self._lock = threading.Lock()
 
@@ -298,14 +293,11 @@ class DcpAsync(Config):
         self._wait()
 
 
-class CheckFreq(Config):
+class CheckFreq(EveryK):
     family = "checkfreq"
 
     def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
-        super().__init__(name, size, workdir)
-        self.interval = interval
-        self.dir = workdir / name.replace("/", "-")
-        self.dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(name, size, workdir, interval=interval)
         self.snapshot: dict[str, Any] | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Event()
