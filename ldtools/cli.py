@@ -132,7 +132,21 @@ def chain_info(reader: ChainReader) -> dict[str, Any]:
         "full_checkpoint_bytes": full,
         "compression_vs_full_checkpoints": (len(steps) * full / total) if total and full else None,
         "environment": reader.root.environment,
+        "capture_policy": _capture_policy(reader),
     }
+
+
+def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
+    """The anchor interval and batch size a Checkpointer chose, from the latest step's extra state."""
+    latest = reader.latest_step
+    if latest is None:
+        return None
+    entry = reader.state.deltas.get(latest)
+    extra = entry[1].extra if entry is not None else reader.state.anchors[latest].extra
+    from ldformat.jsonvalue import decode
+
+    policy = decode(extra).get("policy") if isinstance(extra, dict) else None
+    return policy if isinstance(policy, dict) else None
 
 
 @cli.command()
@@ -162,6 +176,15 @@ def info(chain: str, as_json: bool) -> None:
     if data["compression_vs_full_checkpoints"]:
         click.echo(f"compression  {data['compression_vs_full_checkpoints']:.1f}x smaller than a full "
                    "checkpoint per step")
+    policy = data["capture_policy"]
+    if policy:
+        line = f"policy       anchor_every={policy.get('anchor_every')} batch_steps={policy.get('batch_steps')}"
+        inputs = policy.get("inputs")
+        if inputs:
+            line += (f" (step {inputs['step_time_s']:.3f}s, anchor write {inputs['anchor_write_s']:.3f}s, "
+                     f"replay {inputs['replay_step_s']:.4f}s/step, commit {inputs['commit_s']:.4f}s, "
+                     f"MTBF {inputs['mtbf_s'] / 3600:.1f}h)")
+        click.echo(line)
     env: dict[str, Any] = data["environment"]
     click.echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
                f"optimizer path {','.join(env.get('implementation', []))}")

@@ -398,7 +398,8 @@ def test_adaptive_loop_on_slow_disk(tmp_path: Path, caplog: pytest.LogCaptureFix
     reader = ldformat.ChainReader(path)
     assert reader.steps == list(range(steps + 1))
     latest = reader.materialize(steps)
-    assert latest["extra"]["policy"] == {"anchor_every": ck.anchor_every, "batch_steps": ck.batch_steps}
+    assert latest["extra"]["policy"] == {"anchor_every": ck.anchor_every, "batch_steps": ck.batch_steps,
+                                         "inputs": ck.stats.policy["inputs"]}
     assert reader.materialize(1)["extra"]["policy"] == {"anchor_every": 100, "batch_steps": 4}  # the defaults
     assert max(e.rows for e in reader.state.delta_entries()) > 4  # batches grew past the default
 
@@ -406,3 +407,28 @@ def test_adaptive_loop_on_slow_disk(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert_state_bits_equal(latest, refs[steps], f"{mode} latest step")
     for step in reader.anchors + [steps // 2]:
         assert_state_bits_equal(reader.materialize(step), refs[step], f"{mode} step {step}")
+
+
+def test_policy_choice_is_visible_in_ldtools_info(tmp_path: Path) -> None:
+    """The chosen interval, batch size and the measurements behind them reach `ldtools info`."""
+    import json
+
+    from click.testing import CliRunner
+
+    from ldtools.cli import cli
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    path = tmp_path / "chain"
+    ck = ldformat.Checkpointer(path, model, opt, mode="xor", anchor_every="auto", batch_steps="auto")
+    for step in range(1, 13):
+        train_step(model, opt, step)
+    ck.close()
+    result = CliRunner().invoke(cli, ["info", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    policy = json.loads(result.output)["capture_policy"]
+    assert policy["anchor_every"] == ck.anchor_every and policy["batch_steps"] == ck.batch_steps
+    assert set(policy["inputs"]) >= {"step_time_s", "anchor_write_s", "replay_step_s", "commit_s", "mtbf_s"}
+    text = CliRunner().invoke(cli, ["info", str(path)]).output
+    assert f"anchor_every={ck.anchor_every}" in text and "MTBF 24.0h" in text

@@ -494,6 +494,8 @@ class Checkpointer:
         if data is not None:
             extra["data"] = data
         extra["policy"] = {"anchor_every": self.anchor_every, "batch_steps": self.batch_steps}
+        if "inputs" in self.stats.policy:  # the measurements the wasted-time model used
+            extra["policy"]["inputs"] = dict(self.stats.policy["inputs"])
         if self.user_extra:
             extra["user"] = copy.deepcopy(self.user_extra)
         return extra
