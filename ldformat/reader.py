@@ -26,7 +26,7 @@ from .errors import (
     StepNotFoundError,
 )
 from .jsonvalue import object_checksum
-from .manifest import ChainState, DeltaEntry, ObjectRef, Record, RootMetadata, read_log, read_root
+from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, read_log, read_root
 from .replay import Replayer
 from .store import LocalStore, Store
 
@@ -261,8 +261,3 @@ def _ranges(steps: list[int]) -> str:
         if s is not None:
             start = prev = s
     return ", ".join(out)
-
-
-def chain_state(path: str | os.PathLike[str], store: Store | None = None) -> tuple[RootMetadata, ChainState]:
-    reader = ChainReader(path, store=store)
-    return reader.root, reader.state

@@ -12,7 +12,6 @@ hostile log record cannot reach outside the chain (spec §21.2).
 from __future__ import annotations
 
 import abc
-import errno
 import os
 import secrets
 from collections.abc import Iterable
@@ -199,7 +198,3 @@ class LocalStore(Store):
 
     def local_path(self, path: str) -> Path | None:
         return self._abs(path)
-
-
-def is_no_space(exc: OSError) -> bool:
-    return exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
