@@ -4,58 +4,230 @@ An anchor object holds every tensor of the state under its stored name (see
 :mod:`ldformat.state`), each storage once. Its safetensors ``__metadata__`` carries
 ``ldformat.format`` = ``anchor`` and ``ldformat.step``; the JSON-able parts (param groups,
 extra state) live in the commit record that references the anchor.
+
+Writing (spec §23, "Anchor objects"): :func:`anchor_parts` returns the header and zero-copy
+views of the tensors' memory, so that the object is streamed to storage and checksummed
+without ever being joined in memory. The header is the canonical JSON (§6.2) of the
+safetensors header, padded with spaces to a multiple of 8 bytes, and the data is ordered by
+decreasing element size, then name: the bytes depend only on the state (not on the process,
+unlike ``safetensors.torch.save``, whose ``__metadata__`` order varies), and every tensor
+starts at a multiple of its element size.
+
+Reading: :func:`decode_anchor` validates the header itself and builds every tensor with
+``torch.frombuffer`` on the one buffer the object was read into: no second copy, and the
+tensors are writable (replay updates them in place) and do not overlap.
 """
 
 from __future__ import annotations
 
 import json
 import struct
+from dataclasses import dataclass
+from typing import Any
 
-import safetensors.torch
+import numpy as np
 import torch
 
-from .errors import CorruptChainError
+from .errors import CorruptChainError, UnsupportedStateError
+from .jsonvalue import canonical
+
+# safetensors dtype codes of the format's dtypes (spec §5.6.4).
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in SAFETENSORS_DTYPES.items()}
+
+# safetensors refuses headers above 100 MB (MAX_HEADER_SIZE); so do we.
+MAX_HEADER_BYTES = 100_000_000
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class AnchorParts:
+    """An anchor object as the pieces written back to back: ``header`` then ``payloads``.
+
+    ``payloads`` are uint8 numpy views of the tensors' memory (no copy; empty tensors have
+    none). They stay valid while the tensors are not modified.
+    """
+
+    header: bytes
+    payloads: tuple[np.ndarray, ...]
+    size: int
+
+    @property
+    def parts(self) -> list[bytes | np.ndarray]:
+        return [self.header, *self.payloads]
+
+
+def anchor_metadata(step: int) -> dict[str, str]:
+    return {"ldformat.format": "anchor", "ldformat.step": str(step)}
+
+
+def anchor_parts(tensors: dict[str, torch.Tensor], step: int) -> AnchorParts:
+    """Split the anchor of CPU ``tensors`` (not sharing memory) into header and payloads."""
+    flat: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name == METADATA_KEY:
+            raise UnsupportedStateError(f"{name!r} cannot be a tensor name in an anchor")
+        if t.device.type != "cpu":
+            raise UnsupportedStateError(f"{name}: anchor tensors must be on the CPU, not {t.device}")
+        if t.dtype not in _CODES:
+            raise UnsupportedStateError(f"{name}: dtype {t.dtype} is not supported by format 1.0")
+        flat[name] = t.detach().contiguous()
+    _refuse_shared_memory(flat)
+    # Decreasing element size, then name: every tensor is aligned to its element size
+    # (the data starts at a multiple of 8), and the order does not depend on dict order.
+    order = sorted(flat, key=lambda n: (-flat[n].element_size(), n))
+    header: dict[str, Any] = {METADATA_KEY: anchor_metadata(step)}
+    payloads: list[np.ndarray] = []
+    offset = 0
+    for name in order:
+        t = flat[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if nbytes:
+            payloads.append(t.reshape(-1).view(torch.uint8).numpy())
+    body = canonical(header)
+    body += b" " * (-len(body) % 8)  # like safetensors: the data starts at a multiple of 8
+    head = struct.pack("<Q", len(body)) + body
+    return AnchorParts(header=head, payloads=tuple(payloads), size=len(head) + offset)
+
+
+def _refuse_shared_memory(tensors: dict[str, torch.Tensor]) -> None:
+    """Each storage is stored once (spec §9.1): overlapping tensors are a caller's bug."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), n) for n, t in tensors.items()
+                   if t.numel())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise UnsupportedStateError(f"{a} and {b} share memory; an anchor stores each storage once")
 
 
 def encode_anchor(tensors: dict[str, torch.Tensor], step: int) -> bytes:
-    """Serialize CPU tensors (contiguous, not sharing memory) to safetensors bytes."""
-    return safetensors.torch.save(
-        tensors, metadata={"ldformat.format": "anchor", "ldformat.step": str(step)}
-    )
+    """The anchor object of CPU ``tensors`` as one ``bytes`` (same bytes as :func:`anchor_parts`)."""
+    p = anchor_parts(tensors, step)
+    return b"".join([p.header, *(a.data for a in p.payloads)])
 
 
-def decode_anchor(data: bytes, step: int, where: str) -> dict[str, torch.Tensor]:
-    """Parse a verified anchor object; checks the metadata names the expected step."""
+@dataclass(frozen=True)
+class _Entry:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _parse_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[str, str], dict[str, _Entry], int]:
+    """Validate a safetensors header like safetensors does; returns (metadata, entries, data start)."""
+
+    def bad(why: str) -> CorruptChainError:
+        return CorruptChainError(f"{where}: not a valid safetensors anchor ({why})")
+
+    if len(data) < 8:
+        raise bad("truncated safetensors header")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > MAX_HEADER_BYTES:
+        raise bad(f"header length {n} exceeds {MAX_HEADER_BYTES}")
+    if n > len(data) - 8:
+        raise bad("truncated safetensors header")
+    raw = bytes(data[8 : 8 + n])
+    if not raw.startswith(b"{"):
+        raise bad("the header does not start with '{'")
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            raise ValueError("duplicate key")
+        return out
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
     try:
-        # safetensors returns tensors in no fixed order: sort for deterministic output.
-        tensors = dict(sorted(safetensors.torch.load(data).items()))
-        meta = _metadata(data)
-    except CorruptChainError:
-        raise
-    except Exception as e:
-        raise CorruptChainError(f"{where}: not a valid safetensors anchor ({e})") from None
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    meta = header.pop(METADATA_KEY, {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("__metadata__ is not an object of strings")
+
+    def is_uint(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
+
+    entries: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise bad(f"{name}: not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
+            raise bad(f"{name}: dtype {dtype!r} is not one of format 1.0")
+        if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
+            raise bad(f"{name}: shape {shape!r} is not a list of non-negative integers")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_uint(o) for o in offsets):
+            raise bad(f"{name}: data_offsets {offsets!r} is not two non-negative integers")
+        entries[name] = _Entry(dtype, tuple(shape), offsets[0], offsets[1])
+    # The tensors tile the data exactly, in some order (any order is valid, spec §9.1).
+    cursor = 0
+    for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end, kv[0])):
+        if e.begin != cursor or e.end < e.begin:
+            raise bad(f"{name}: data_offsets [{e.begin}, {e.end}] do not follow the previous tensor "
+                      f"(ending at {cursor})")
+        numel = 1
+        for d in e.shape:
+            numel *= d
+        if numel * _ITEMSIZE[e.dtype] != e.end - e.begin:
+            raise bad(f"{name}: {e.end - e.begin} bytes for shape {list(e.shape)} of {e.dtype}")
+        cursor = e.end
+    if cursor != len(data) - 8 - n:
+        raise bad(f"the tensors cover {cursor} bytes of data, the object holds {len(data) - 8 - n}")
+    return meta, entries, 8 + n
+
+
+def decode_anchor(data: bytes | bytearray | memoryview, step: int, where: str) -> dict[str, torch.Tensor]:
+    """Parse a verified anchor object; checks the metadata names the expected step.
+
+    The tensors share ``data`` when it is a ``bytearray`` (one copy is made otherwise):
+    each is a writable view of its own byte range, except a tensor whose offset is not
+    aligned to its element size (other writers), which is copied. Sorted by name.
+    """
+    meta, entries, start = _parse_header(data, where)
     if meta.get("ldformat.format") != "anchor" or meta.get("ldformat.step") != str(step):
         raise CorruptChainError(f"{where}: anchor metadata does not name step {step}")
+    buf = data if isinstance(data, bytearray) else bytearray(data)
+    base = np.frombuffer(buf, np.uint8).ctypes.data if buf else 0
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(entries):
+        e = entries[name]
+        dtype = SAFETENSORS_DTYPES[e.dtype]
+        nbytes, offset = e.end - e.begin, start + e.begin
+        if nbytes == 0:
+            tensors[name] = torch.empty(e.shape, dtype=dtype)
+            continue
+        if dtype == torch.bool and int(np.frombuffer(buf, np.uint8, nbytes, offset).max()) > 1:
+            raise CorruptChainError(f"{where}: not a valid safetensors anchor ({name}: a bool byte is not 0 or 1)")
+        itemsize = _ITEMSIZE[e.dtype]
+        if (base + offset) % itemsize == 0:
+            flat = torch.frombuffer(buf, dtype=dtype, count=nbytes // itemsize, offset=offset)
+        else:  # unaligned (not written by ldformat): copy into aligned memory
+            flat = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).clone().view(dtype)
+        tensors[name] = flat.reshape(e.shape)
     return tensors
 
 
-def tensor_bytes(data: bytes, prefix: str) -> int:
+def tensor_bytes(data: bytes | bytearray | memoryview, prefix: str) -> int:
     """Bytes of the tensors whose name starts with ``prefix``, from the header alone."""
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    return sum(
-        int(v["data_offsets"][1]) - int(v["data_offsets"][0])
-        for k, v in header.items()
-        if k != "__metadata__" and k.startswith(prefix)
-    )
+    _, entries, _ = _parse_header(data, "anchor")
+    return sum(e.end - e.begin for k, e in entries.items() if k.startswith(prefix))
 
-
-def _metadata(data: bytes) -> dict[str, str]:
-    if len(data) < 8:
-        raise CorruptChainError("truncated safetensors header")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > len(data) - 8:
-        raise CorruptChainError("truncated safetensors header")
-    header = json.loads(data[8 : 8 + n])
-    meta = header.get("__metadata__", {})
-    return meta if isinstance(meta, dict) else {}

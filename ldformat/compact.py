@@ -12,21 +12,21 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .anchor import encode_anchor
+from .anchor import anchor_parts
 from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .garbage import remove_unreferenced, unreferenced_objects
-from .jsonvalue import object_checksum
+from .jsonvalue import object_checksum, object_checksum_parts
 from .lock import WriterLock
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry, log_path
 from .reader import ChainReader
-from .store import Store
+from .store import Part, Store
 
 
 @dataclass
@@ -219,12 +219,23 @@ def _rebuild_delta_entries(state: ChainState, keep: dict[int, StepEntry]) -> lis
 
 
 def _write_object(reader: ChainReader, path: str, data: bytes, written: list[str]) -> ObjectRef:
-    try:
-        reader.store.write(path, data)
-    except OSError as e:
-        raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
+    _store_io(reader, path, reader.store.write, path, data)
     written.append(path)
     return ObjectRef(path=path, size=len(data), crc32c=object_checksum(path, data))
+
+
+def _write_parts(reader: ChainReader, path: str, parts: Sequence[Part], size: int, written: list[str]) -> ObjectRef:
+    """Like :func:`_write_object` for an object streamed from ``parts`` (never joined)."""
+    _store_io(reader, path, reader.store.write_parts, path, parts)
+    written.append(path)
+    return ObjectRef(path=path, size=size, crc32c=object_checksum_parts(path, parts))
+
+
+def _store_io(reader: ChainReader, path: str, fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except OSError as e:
+        raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
 
 
 def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorEntry:
@@ -234,8 +245,9 @@ def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorE
     replayer.sync_optimizer_tensors()
     # Residuals of a top-k compressor are only valid at the anchor that stored them.
     tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor")}
-    data = encode_anchor(tensors, step)
-    ref = _write_object(reader, f"anchors/{step}-{secrets.token_hex(4)}.safetensors", data, written)
+    anchor = anchor_parts(tensors, step)
+    ref = _write_parts(reader, f"anchors/{step}-{secrets.token_hex(4)}.safetensors", anchor.parts, anchor.size,
+                       written)
     return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra)
 
 

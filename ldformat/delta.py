@@ -16,9 +16,11 @@ codec chain with ``crc32c``.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import google_crc32c
 import numpy as np
 import torch
 import zarr
@@ -37,6 +39,7 @@ INDEX_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}
 # 1 MiB blosc blocks: on a 30M-parameter xor delta, ratio 0.787 -> 0.742 and encode 0.85 -> 0.44
 # core-s (benchmarks/, "Value codec variants").
 VALUE_CODECS = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+COUNT_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "shuffle"}
 
 Segment = tuple[np.ndarray | None, np.ndarray]  # (sorted int64 indices or None, raw bits)
 
@@ -47,18 +50,21 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
     return flat.numpy().view(WIDTH_DTYPES[t.element_size()])
 
 
-def _create(store: MemoryStore, name: str, data: np.ndarray, codec: dict[str, Any]) -> None:
-    width = data.dtype.itemsize
-    if data.ndim == 1:
-        chunks: tuple[int, ...] = (max(1, min(data.shape[0], CHUNK_BYTES // width)),)
+def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: Any, codec: dict[str, Any],
+            data: np.ndarray | None = None) -> None:
+    """Create an array in ``store``: its metadata, and its chunks if ``data`` is given."""
+    width = np.dtype(dtype).itemsize
+    if len(shape) == 1:
+        chunks: tuple[int, ...] = (max(1, min(shape[0], CHUNK_BYTES // width)),)
     else:
-        chunks = tuple(max(1, s) for s in data.shape)
+        chunks = tuple(max(1, s) for s in shape)
+    source: dict[str, Any] = {"data": data} if data is not None else {"shape": shape, "dtype": dtype}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.create_array(
             store,
             name=name,
-            data=data,
+            **source,
             chunks=chunks,
             compressors=[BloscCodec(typesize=width, **codec), Crc32cCodec()],
             fill_value=0,
@@ -68,82 +74,243 @@ def _create(store: MemoryStore, name: str, data: np.ndarray, codec: dict[str, An
         )
 
 
+def gap_code(idx: np.ndarray) -> np.ndarray:
+    """Sorted flat indices as uint32 gaps: the first absolute, then differences (spec §10.1)."""
+    gaps = np.empty(idx.shape[0], dtype=np.uint32)
+    if idx.shape[0]:
+        gaps[0] = idx[0]
+        np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
+    return gaps
+
+
+class ArrayEncoder:
+    """Encodes one 1-D batch array incrementally, byte-identical to zarr writing it whole.
+
+    Each chunk is compressed as soon as its elements have arrived, so the encoder holds only
+    compressed chunks plus fewer than one chunk of pending elements. The chunk length is
+    ``CHUNK_BYTES / width`` unless the whole array is shorter (spec §10.2); that case is
+    one chunk, compressed by :meth:`finish` once the length is known.
+    """
+
+    def __init__(self, width: int, codec: dict[str, Any]) -> None:
+        self.dtype = np.dtype(WIDTH_DTYPES[width])
+        self.codec = codec
+        self.size = 0
+        self._chunk = max(1, CHUNK_BYTES // width)
+        # The numcodecs Blosc that zarr's BloscCodec would use (its typesize handling differs
+        # between numcodecs versions), so the bytes are zarr's.
+        self._blosc = BloscCodec(typesize=width, **codec)._blosc_codec
+        self._chunks: list[bytes] = []
+        self._pending: np.ndarray | None = None  # one reused chunk-sized buffer
+        self._fill = 0
+
+    def append(self, data: np.ndarray) -> None:
+        """Add elements at the end; ``data`` may be reused by the caller once this returns."""
+        data = np.ascontiguousarray(data, dtype=self.dtype.newbyteorder("<")).reshape(-1)  # `bytes` codec: little
+        n, pos, chunk = data.shape[0], 0, self._chunk
+        if self._fill:  # top up the pending chunk first
+            pos = min(n, chunk - self._fill)
+            self._buffer()[self._fill : self._fill + pos] = data[:pos]
+            self._fill += pos
+            if self._fill == chunk:
+                self._compress(self._buffer())
+                self._fill = 0
+        while n - pos >= chunk:  # whole chunks inside ``data``: compressed from a view, no copy
+            self._compress(data[pos : pos + chunk])
+            pos += chunk
+        if pos < n:  # here the pending buffer is empty
+            self._buffer()[: n - pos] = data[pos:]
+            self._fill = n - pos
+        self.size += n
+
+    def finish(self, name: str) -> dict[str, bytes]:
+        """The chunk objects ``<name>/c/<i>``, the last one padded with the fill value as zarr does."""
+        if self._fill:
+            pending = self._buffer()
+            if self._chunks:
+                pending[self._fill :] = 0
+                self._compress(pending)
+            else:  # the whole array is shorter than a chunk: one chunk of exactly its length
+                self._compress(pending[: self._fill])
+            self._fill = 0
+        self._pending = None
+        return {f"{name}/c/{i}": data for i, data in enumerate(self._chunks)}
+
+    def _buffer(self) -> np.ndarray:
+        if self._pending is None:
+            self._pending = np.empty(self._chunk, dtype=self.dtype.newbyteorder("<"))
+        return self._pending
+
+    def _compress(self, chunk: np.ndarray) -> None:
+        # codec chain bytes -> blosc -> crc32c, as zarr's codecs do it; crc32c appends the checksum little-endian
+        data = self._blosc.encode(chunk.view(np.uint8))
+        self._chunks.append(data + int(google_crc32c.value(data)).to_bytes(4, "little"))
+
+
+class BatchEncoder:
+    """Encodes a delta batch row by row (spec §10.1); values are compressed as they arrive.
+
+    Per row: :meth:`start_row`, then :meth:`add` for its segments in increasing slot order
+    (segment order). :meth:`finish` returns the objects of the group.
+    """
+
+    def __init__(self) -> None:
+        self.counts: list[dict[int, int]] = []  # per row: slot -> elements stored
+        self._indices: ArrayEncoder | None = None  # exists iff a sparse segment was added
+        self._values: dict[int, ArrayEncoder] = {}
+
+    @property
+    def rows(self) -> int:
+        return len(self.counts)
+
+    def start_row(self) -> None:
+        self.counts.append({})
+
+    def add(self, slot: int, values: np.ndarray, indices: np.ndarray | None = None) -> None:
+        """Add the segment of ``slot`` to the current row; the arrays may be reused afterwards."""
+        row = self.counts[-1]
+        if row and slot <= next(reversed(row)):
+            raise ValueError(f"slot {slot} added after slot {next(reversed(row))}: segments go in slot order")
+        row[slot] = values.shape[0]
+        if indices is not None:
+            if self._indices is None:
+                self._indices = ArrayEncoder(4, INDEX_CODECS)
+            self._indices.append(gap_code(indices))
+        width = values.dtype.itemsize
+        encoder = self._values.get(width)
+        if encoder is None:
+            encoder = self._values[width] = ArrayEncoder(width, VALUE_CODECS)
+        encoder.append(values)
+
+    def finish(self, n_slots: int, attributes: dict[str, Any]) -> dict[str, bytes]:
+        """The objects of the group, {relative key: bytes}; the encoder is spent afterwards."""
+        counts = np.full((len(self.counts), n_slots), -1, dtype=np.int64)
+        for r, row in enumerate(self.counts):
+            for j, n in row.items():
+                counts[r, j] = n
+        arrays = [("indices", self._indices)] if self._indices is not None else []
+        arrays += [(f"values_u{w * 8}", e) for w, e in sorted(self._values.items()) if e.size]
+        store = MemoryStore({})
+        zarr.open_group(store, mode="w", attributes={"ldformat": attributes})
+        _create(store, "counts", counts.shape, counts.dtype, COUNT_CODECS, counts)
+        chunks: dict[str, bytes] = {}
+        for name, encoder in arrays:
+            _create(store, name, (encoder.size,), encoder.dtype, encoder.codec)  # metadata only
+            chunks.update(encoder.finish(name))
+        self._values, self._indices = {}, None
+        return {**{key: buf.to_bytes() for key, buf in store._store_dict.items()}, **chunks}
+
+
 def encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]], attributes: dict[str, Any]) -> dict[str, bytes]:
     """Encode rows into the objects of one Zarr group: {relative key: bytes}."""
-    counts = np.full((len(rows), len(slots)), -1, dtype=np.int64)
-    index_parts: list[np.ndarray] = []
-    value_parts: dict[int, list[np.ndarray]] = {}
-    for r, row in enumerate(rows):
+    encoder = BatchEncoder()
+    for row in rows:
+        encoder.start_row()
         for j in sorted(row):
             idx, vals = row[j]
-            counts[r, j] = vals.shape[0]
-            if idx is not None:
-                gaps = np.empty(idx.shape[0], dtype=np.uint32)
-                if idx.shape[0]:
-                    gaps[0] = idx[0]
-                    np.subtract(idx[1:], idx[:-1], out=gaps[1:], casting="unsafe")
-                index_parts.append(gaps)
-            value_parts.setdefault(vals.dtype.itemsize, []).append(vals)
-    store = MemoryStore({})
-    zarr.open_group(store, mode="w", attributes={"ldformat": attributes})
-    _create(store, "counts", counts, {"cname": "zstd", "clevel": 3, "shuffle": "shuffle"})
-    if index_parts:
-        _create(store, "indices", np.concatenate(index_parts), INDEX_CODECS)
-    for width, parts in sorted(value_parts.items()):
-        data = np.concatenate(parts) if len(parts) > 1 else parts[0]
-        if data.shape[0]:
-            _create(store, f"values_u{width * 8}", data, VALUE_CODECS)
-    return {key: buf.to_bytes() for key, buf in store._store_dict.items()}
+            encoder.add(j, vals, idx)
+    return encoder.finish(len(slots), attributes)
 
 
 @dataclass
 class DecodedBatch:
-    """A decoded batch; :meth:`row` returns the segments of one step."""
+    """A decoded batch (or the rows of it a replay needs); :meth:`row` returns one step's segments."""
 
     slots: tuple[SlotInfo, ...]
     counts: np.ndarray
-    segments: list[dict[int, Segment]]
+    segments: dict[int, dict[int, Segment]]
 
     def row(self, r: int) -> dict[str, Segment]:
+        if r not in self.segments:
+            raise KeyError(f"row {r} was not decoded (decoded rows: {sorted(self.segments)})")
         return {self.slots[j].name: seg for j, seg in self.segments[r].items()}
 
 
-def decode_batch(objects: dict[str, bytes], slots: tuple[SlotInfo, ...], rows: int, where: str) -> DecodedBatch:
-    """Decode the objects of one group (already checksum-verified by the caller)."""
+def _slot_widths(slots: tuple[SlotInfo, ...]) -> np.ndarray:
+    return np.array([torch.empty(0, dtype=_torch_dtype(s.dtype)).element_size() for s in slots], dtype=np.int64)
+
+
+def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int, stop: int) -> dict[str, range]:
+    """Element ranges of each 1-D array that rows ``first .. stop-1`` occupy (segment order)."""
+    present = np.maximum(counts, 0)
+    widths = _slot_widths(slots)
+    sparse = np.array([s.encoding == "sparse" for s in slots], dtype=bool)
+    out = {}
+    for name, columns in [(f"values_u{w * 8}", widths == w) for w in WIDTH_DTYPES] + [("indices", sparse)]:
+        per_row = present[:, columns].sum(axis=1) if len(slots) else np.zeros(counts.shape[0], np.int64)
+        out[name] = range(int(per_row[:first].sum()), int(per_row[:stop].sum()))
+    return out
+
+
+def decode_batch(
+    objects: Mapping[str, bytes], slots: tuple[SlotInfo, ...], rows: int, where: str, wanted: range | None = None
+) -> DecodedBatch:
+    """Decode the rows ``wanted`` (default: all) of one group.
+
+    ``objects`` maps every listed key to its verified bytes; it may be lazy: only the
+    metadata, ``counts`` and the chunks holding the wanted rows are looked up.
+    """
     proto = default_buffer_prototype()
-    store = MemoryStore({k: proto.buffer.from_bytes(v) for k, v in objects.items()})
+    store = MemoryStore({})
+
+    def load(keys: list[str]) -> None:
+        for k in keys:
+            if k not in store._store_dict:
+                store._store_dict[k] = proto.buffer.from_bytes(objects[k])
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            load([k for k in objects if k == "zarr.json" or k.endswith("/zarr.json")])
             group = zarr.open_group(store, mode="r")
-            arrays = {}
-            for name in group.array_keys():
-                array = zarr.open_array(store, path=name, mode="r")
+            arrays = {name: zarr.open_array(store, path=name, mode="r") for name in sorted(group.array_keys())}
+            for name, array in arrays.items():
                 for coords in np.ndindex(*array.cdata_shape):
                     key = f"{name}/c/" + "/".join(map(str, coords))
                     if key not in objects:
                         raise CorruptChainError(f"{where}: chunk {key} is not listed in the commit record")
-                arrays[name] = np.asarray(array[...])
-    except CorruptChainError:
+            if "counts" not in arrays:
+                raise CorruptChainError(f"{where}: counts array missing")
+            load([k for k in objects if k.startswith("counts/c/")])
+            counts = np.asarray(arrays["counts"][...])
+            if counts.shape != (rows, len(slots)) or counts.dtype != np.int64:
+                raise CorruptChainError(f"{where}: counts array missing or of the wrong shape")
+            wanted = range(rows) if wanted is None else wanted
+            data: dict[str, np.ndarray] = {}
+            for name, span in _element_ranges(counts, slots, wanted.start, wanted.stop).items():
+                flat = arrays.get(name)
+                if flat is None or not span:
+                    continue
+                if span.stop > flat.shape[0]:
+                    raise CorruptChainError(f"{where}: the segments of rows {wanted.start}..{wanted.stop - 1} run "
+                                            f"past the end of {name}")
+                chunk = flat.chunks[0]
+                load([f"{name}/c/{i}" for i in range(span.start // chunk, -(-span.stop // chunk))])
+                data[name] = np.asarray(flat[span.start : span.stop])
+    except CorruptChainError:  # includes a lazily read object that is missing or damaged
         raise
     except Exception as e:  # zarr raises many types for damaged data
         raise CorruptChainError(f"{where}: cannot decode delta batch ({type(e).__name__}: {e})") from None
-    counts = arrays.get("counts")
-    if counts is None or counts.shape != (rows, len(slots)) or counts.dtype != np.int64:
-        raise CorruptChainError(f"{where}: counts array missing or of the wrong shape")
-    gaps = arrays.get("indices", np.empty(0, np.uint32))
+    return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
+
+
+def _segments(data: dict[str, np.ndarray], counts: np.ndarray, slots: tuple[SlotInfo, ...], wanted: range,
+              where: str) -> dict[int, dict[int, Segment]]:
+    """Walk the segments of rows ``wanted`` (spec §10.5); ``data`` holds exactly their elements."""
+    gaps = data.get("indices", np.empty(0, np.uint32))
     cum = np.cumsum(gaps, dtype=np.int64)
+    widths = _slot_widths(slots)
     value_pos: dict[int, int] = {}
     index_pos = 0
-    segments: list[dict[int, Segment]] = []
-    for r in range(rows):
+    segments: dict[int, dict[int, Segment]] = {}
+    for r in wanted:
         row: dict[int, Segment] = {}
         for j, slot in enumerate(slots):
             n = int(counts[r, j])
             if n < 0:
                 continue
-            width = torch.empty(0, dtype=_torch_dtype(slot.dtype)).element_size()
-            values = arrays.get(f"values_u{width * 8}", np.empty(0, WIDTH_DTYPES[width]))
+            width = int(widths[j])
+            values = data.get(f"values_u{width * 8}", np.empty(0, WIDTH_DTYPES[width]))
             pos = value_pos.get(width, 0)
             if pos + n > values.shape[0]:
                 raise CorruptChainError(f"{where}: values of {slot.name} (row {r}) run past the array")
@@ -161,8 +328,8 @@ def decode_batch(objects: dict[str, bytes], slots: tuple[SlotInfo, ...], rows: i
             elif n != slot.numel:
                 raise CorruptChainError(f"{where}: {slot.name} (row {r}) has {n} values, expected {slot.numel}")
             row[j] = (idx, vals)
-        segments.append(row)
-    return DecodedBatch(slots=slots, counts=counts, segments=segments)
+        segments[r] = row
+    return segments
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -187,6 +354,15 @@ def segment_to_tensor(seg: Segment, slot: SlotInfo) -> torch.Tensor:
     if dtype == torch.bool:
         return bits.view(torch.bool).reshape(slot.shape)
     return bits.view(dtype).reshape(slot.shape)
+
+
+def dense_view(seg: Segment, slot: SlotInfo) -> torch.Tensor:
+    """A dense segment as a tensor sharing the decoded values' memory (no copy)."""
+    _, vals = seg
+    if not (vals.flags.writeable and vals.flags.c_contiguous):
+        vals = vals.copy()
+    bits = torch.from_numpy(vals.view(SIGNED_NP[vals.dtype.itemsize]))
+    return bits.view(_torch_dtype(slot.dtype)).reshape(slot.shape)
 
 
 def fill_from_segment(out: torch.Tensor, seg: Segment) -> None:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import google_crc32c
+import numpy as np
 import torch
 
 from .errors import CorruptChainError, UnsupportedStateError
@@ -124,11 +126,28 @@ def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
+def _crc_input(data: bytes | bytearray | memoryview | np.ndarray) -> bytes | np.ndarray:
+    """``data`` as google_crc32c takes it without a copy (it refuses bytearray and memoryview)."""
+    if isinstance(data, bytes):
+        return data
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, np.uint8)
+
+
+def crc32c_extend(crc: int, data: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """Continue the crc32c ``crc`` over the bytes of ``data`` (C-contiguous; no copy)."""
+    view = _crc_input(data)
+    if len(view) == 0:
+        return crc
+    return int(google_crc32c.extend(crc, view))
+
+
 def crc32c_hex(data: bytes | bytearray | memoryview) -> str:
-    return f"{google_crc32c.value(bytes(data)) if not isinstance(data, bytes) else google_crc32c.value(data):08x}"
+    return f"{crc32c_extend(0, data):08x}"
 
 
-def object_checksum(path: str, data: bytes | bytearray | memoryview) -> str:
+def object_checksum(path: str, data: bytes | bytearray | memoryview | np.ndarray) -> str:
     """crc32c of the object's chain-relative path (UTF-8) followed by its bytes.
 
     Seeding with the path matters: a Zarr chunk ends with its own crc32c, and the crc32c of
@@ -137,7 +156,15 @@ def object_checksum(path: str, data: bytes | bytearray | memoryview) -> str:
     an intact chunk (spec §21.5): it catches damage and objects moved between paths, while
     the chunk's own crc32c vouches for its content.
     """
-    return f"{google_crc32c.extend(google_crc32c.value(path.encode()), bytes(data)):08x}"
+    return object_checksum_parts(path, (data,))
+
+
+def object_checksum_parts(path: str, parts: Iterable[bytes | bytearray | memoryview | np.ndarray]) -> str:
+    """:func:`object_checksum` of the object made of ``parts`` back to back, without joining them."""
+    crc = crc32c_extend(0, path.encode())
+    for part in parts:
+        crc = crc32c_extend(crc, part)
+    return f"{crc:08x}"
 
 
 def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -26,7 +27,7 @@ from .errors import (
     StepNotFoundError,
 )
 from .jsonvalue import object_checksum
-from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, read_log, read_root
+from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry, read_log, read_root
 from .replay import Replayer
 from .store import LocalStore, Store
 
@@ -110,9 +111,13 @@ class ChainReader:
         data = self.read_object(entry.object, step)
         return decode_anchor(data, step, f"{self.path}/{entry.object.path}")
 
-    def load_batch(self, entry: DeltaEntry, step: int | None = None) -> DecodedBatch:
-        objects = {o.path: self.read_object(o, step, entry.path) for o in entry.objects}
-        return decode_batch(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}")
+    def load_batch(self, entry: DeltaEntry, step: int | None = None, rows: range | None = None) -> DecodedBatch:
+        """Read, verify and decode a batch; with ``rows``, only the objects those rows need."""
+        objects = _VerifiedObjects(self, entry, step)
+        if rows is None:
+            for key in objects:
+                objects[key]  # verify every object, even one decoding would not need
+        return decode_batch(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}", rows)
 
     # -- materialize -------------------------------------------------------------------
     def _check_step(self, step: int | None) -> int:
@@ -158,8 +163,13 @@ class ChainReader:
         anchor_step, path = self.state.replay_path(step)
         if path and self.kind.startswith("grad."):
             self._warn_environment()
-        replayer = self.start_replay(anchor_step)
-        self.replay_steps(replayer, path, progress)
+        # The first batch loads in the background while the anchor is read.
+        batches = _Prefetcher(self, path)
+        try:
+            replayer = self.start_replay(anchor_step)
+            self.replay_steps(replayer, path, progress, batches)
+        finally:
+            batches.close()
         result = replayer.result(step)
         if not path and self.kind == "grad.topk":
             residuals = {n[len("compressor/"):]: t for n, t in replayer.tensors.items() if n.startswith("compressor/")}
@@ -174,23 +184,29 @@ class ChainReader:
         return Replayer(self.root, self.load_anchor_tensors(anchor_step), entry.param_groups, entry.extra)
 
     def replay_steps(
-        self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None
+        self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None,
+        prefetch: _Prefetcher | None = None,
     ) -> None:
-        batches: dict[str, DecodedBatch] = {}
-        for done, s in enumerate(steps, 1):
-            entry, step_entry = self.state.deltas[s]
-            batch = batches.get(entry.path)
-            if batch is None:
-                batches.clear()  # steps are replayed in order: one batch in memory at a time
-                batch = batches[entry.path] = self.load_batch(entry, s)
-            slots = {slot.name: slot for slot in entry.slots}
-            where = f"{self.path}/{entry.path} (step {s})"
-            if self.kind == "state.xor":
-                replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
-            else:
-                replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
-            if progress is not None:
-                progress(done, len(steps))
+        """Apply the deltas of ``steps`` (consecutive, in order) to ``replayer``."""
+        own = prefetch is None
+        batches = _Prefetcher(self, steps) if prefetch is None else prefetch
+        try:
+            done = 0
+            for entry, batch, items in batches:
+                slots = {slot.name: slot for slot in entry.slots}
+                for s, step_entry in items:
+                    where = f"{self.path}/{entry.path} (step {s})"
+                    if self.kind == "state.xor":
+                        replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
+                    else:
+                        replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
+                    done += 1
+                    if progress is not None:
+                        progress(done, len(steps))
+                del batch  # before the next one is taken: at most two batches in memory
+        finally:
+            if own:
+                batches.close()
 
     def _warn_environment(self) -> None:
         diffs = differences(self.root.environment)
@@ -261,3 +277,61 @@ def _ranges(steps: list[int]) -> str:
         if s is not None:
             start = prev = s
     return ", ".join(out)
+
+
+class _VerifiedObjects(Mapping[str, bytes]):
+    """The objects of a batch by key, each read and verified on first access."""
+
+    def __init__(self, reader: ChainReader, entry: DeltaEntry, step: int | None) -> None:
+        self._reader, self._entry, self._step = reader, entry, step
+        self._refs = {o.path: o for o in entry.objects}
+        self._data: dict[str, bytes] = {}
+
+    def __getitem__(self, key: str) -> bytes:
+        data = self._data.get(key)
+        if data is None:
+            data = self._data[key] = self._reader.read_object(self._refs[key], self._step, self._entry.path)
+        return data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+class _Prefetcher:
+    """Yields the decoded batches a replay of ``steps`` needs, loading the next one in a
+    background thread while the current one is replayed (decode overlaps optimizer steps or
+    XOR). At most two batches are in memory; only the rows the replay uses are decoded."""
+
+    def __init__(self, reader: ChainReader, steps: list[int]) -> None:
+        self._plan: list[tuple[DeltaEntry, list[tuple[int, StepEntry]]]] = []
+        for s in steps:
+            entry, step_entry = reader.state.deltas[s]
+            if not self._plan or self._plan[-1][0].path != entry.path:
+                self._plan.append((entry, []))
+            self._plan[-1][1].append((s, step_entry))
+        self._reader = reader
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ldformat-prefetch")
+        self._next: Future[DecodedBatch] | None = self._submit(0)
+
+    def _submit(self, i: int) -> Future[DecodedBatch] | None:
+        if i >= len(self._plan):
+            return None
+        entry, items = self._plan[i]
+        used = [e.row for _, e in items]
+        return self._pool.submit(self._reader.load_batch, entry, items[0][0], range(min(used), max(used) + 1))
+
+    def __iter__(self) -> Iterator[tuple[DeltaEntry, DecodedBatch, list[tuple[int, StepEntry]]]]:
+        for i, (entry, items) in enumerate(self._plan):
+            assert self._next is not None
+            batch = self._next.result()
+            self._next = self._submit(i + 1)
+            yield entry, batch, items
+            del batch  # let the batch go before the one after next is decoded
+
+    def close(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+        self._pool.shutdown(wait=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .delta import Segment, fill_from_segment, segment_to_tensor, xor_into
+from .delta import Segment, dense_view, fill_from_segment, segment_to_tensor, xor_into
 from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import decode, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
@@ -92,6 +92,9 @@ class Replayer:
                     p.grad = None
                     continue
                 slot = slots[f"grad/{i}"]
+                if seg[0] is None:  # dense: the decoded values are used once, so no copy
+                    p.grad = dense_view(seg, slot)
+                    continue
                 buf = self._grad_buffers.get(i)
                 if buf is None or tuple(buf.shape) != slot.shape or buf.dtype != parse_dtype(slot.dtype):
                     buf = self._grad_buffers[i] = segment_to_tensor(seg, slot)

@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .anchor import encode_anchor
-from .delta import SIGNED_NP, Segment, encode_batch, tensor_bits
+from .anchor import anchor_parts
+from .delta import SIGNED_NP, BatchEncoder, tensor_bits
 from .environment import current_environment
 from .errors import (
     ChainError,
@@ -41,7 +41,7 @@ from .errors import (
     WriterIOError,
 )
 from .garbage import remove_unreferenced
-from .jsonvalue import dtype_name, encode, object_checksum, parse_dtype
+from .jsonvalue import dtype_name, encode, object_checksum, object_checksum_parts, parse_dtype
 from .lock import WriterLock
 from .manifest import (
     FORMAT_VERSION,
@@ -156,7 +156,7 @@ class ChainWriter:
         self._captured: tuple[Any, dict[str, CapturedTensor]] | None = None
         self._captures_since_record = 0
         self._seen_generation = -1
-        self._rows: list[dict[int, Segment]] = []
+        self._batch = BatchEncoder()  # the rows of the pending batch, values compressed as they arrive
         self._row_steps: list[StepEntry] = []
         self._slots: list[SlotInfo] = []
         self._slot_index: dict[str, int] = {}
@@ -164,6 +164,7 @@ class ChainWriter:
         self._pending_deltas: list[DeltaEntry] = []
         self._written: list[str] = []
         self._xor_base: dict[str, np.ndarray] = {}
+        self._xor_scratch = np.empty(0, np.uint8)  # reused for every XOR delta (the largest tensor's size)
         self._failed: LdformatError | None = None
         self.max_batch_bytes = 1 << 30  # a batch is committed early once its rows hold this much
         self._batch_bytes = 0
@@ -446,40 +447,36 @@ class ChainWriter:
                 f"{self.path}: step {step} recorded out of order; the next step is "
                 f"{None if self._last_step is None else self._last_step + 1}"
             )
-        row: dict[int, Segment] = {}
-        if self.kind == "state.xor":
+        xor = self.kind == "state.xor"
+        if xor:
             # A tensor absent at this step is absent in the replayed state too: forget its base.
             for name in [n for n in self._xor_base if n not in captured.tensors]:
                 del self._xor_base[name]
-        for name, ct in captured.tensors.items():
-            if self.kind == "state.xor":
-                base = self._xor_base.get(name)
-                if base is None or base.shape != ct.bits.shape:
-                    delta = ct.bits.copy()
-                    self._xor_base[name] = ct.bits.copy()
-                else:
-                    delta = np.bitwise_xor(ct.bits, base)
-                    np.copyto(base, ct.bits)
-                row[self._slot(name, ct, "xor")] = (None, delta)
-            else:
-                encoding = "sparse" if ct.indices is not None else "dense"
-                if captured.owned:
-                    row[self._slot(name, ct, encoding)] = (ct.indices, ct.bits)
-                else:
-                    indices = None if ct.indices is None else ct.indices.copy()
-                    row[self._slot(name, ct, encoding)] = (indices, ct.bits.copy())
+        # Check every tensor before encoding any: a refused step must leave no part of a row behind.
+        slots = [(self._slot(name, ct, "xor" if xor else "dense" if ct.indices is None else "sparse"), name, ct)
+                 for name, ct in captured.tensors.items()]
         entry = StepEntry(
             step=step,
             base=step - 1,
-            row=len(self._rows),
+            row=self._batch.rows,
             stepped=captured.stepped,
             hyper=captured.hyper,
             param_groups=captured.param_groups,
             extra=captured.extra,
         )
-        self._rows.append(row)
+        try:
+            self._batch.start_row()
+            for j, name, ct in sorted(slots, key=lambda s: s[0]):  # segment order is slot order (spec §10.1)
+                # The encoder consumes or copies what it is given, so reused buffers are fine.
+                self._batch.add(j, self._xor_delta(name, ct.bits) if xor else ct.bits, ct.indices)
+                self._batch_bytes += ct.bits.nbytes + (0 if ct.indices is None else ct.indices.nbytes)
+        except Exception as e:
+            # Part of this row is encoded already: the pending batch can no longer be committed.
+            self._failed = ChainError(f"{self.path}: encoding step {step} failed ({type(e).__name__}: {e}); "
+                                      f"nothing after step {self.durable_step} is durable. Re-open the chain "
+                                      "with ChainWriter.open to continue")
+            raise self._failed from e
         self._row_steps.append(entry)
-        self._batch_bytes += sum(vals.nbytes + (0 if idx is None else idx.nbytes) for idx, vals in row.values())
         self._last_step = step
         self._last_extra = captured.extra
         if captured.anchor:
@@ -490,7 +487,7 @@ class ChainWriter:
                 tensors = {n: ct.to_tensor() for n, ct in captured.tensors.items()}
             self._write_anchor_object(step, tensors, captured.param_groups, captured.extra)
             self.commit()
-        elif len(self._rows) >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes:
+        elif self._batch.rows >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes:
             self.commit()
 
     def _slot(self, name: str, ct: CapturedTensor, encoding: str) -> int:
@@ -501,6 +498,23 @@ class ChainWriter:
         elif self._slots[j].shape != ct.shape or self._slots[j].dtype != ct.dtype:
             raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.0 refuses that")
         return j
+
+    def _xor_delta(self, name: str, bits: np.ndarray) -> np.ndarray:
+        """``bits`` XOR the previous step's bits, in the shared scratch buffer; moves the base on.
+
+        One scratch buffer serves every tensor because the encoder is done with a delta
+        before the next one is computed.
+        """
+        base = self._xor_base.get(name)
+        if base is None or base.shape != bits.shape or base.dtype != bits.dtype:
+            self._xor_base[name] = bits.copy()
+            return bits  # no base: the delta is the value itself
+        if self._xor_scratch.nbytes < bits.nbytes:
+            self._xor_scratch = np.empty(bits.nbytes, np.uint8)
+        delta = self._xor_scratch[: bits.nbytes].view(bits.dtype)
+        np.bitwise_xor(bits, base, out=delta)
+        np.copyto(base, bits)
+        return delta
 
     def _reset_xor_base_from_live(self) -> None:
         if self.kind == "state.xor":
@@ -532,24 +546,26 @@ class ChainWriter:
 
     def _write_anchor_object(self, step: int, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any) -> None:
         path = f"anchors/{step}-{secrets.token_hex(4)}.safetensors"
-        data = encode_anchor(tensors, step)
-        self._io(path, self.store.write, path, data)
+        anchor = anchor_parts(tensors, step)  # streamed: the object is never joined in memory
+        parts = anchor.parts
+        self._io(path, self.store.write_parts, path, parts)
         self._written.append(path)
+        crc32c = object_checksum_parts(path, parts)  # overlaps the writeback LocalStore started
         self._pending_anchors.append(
             AnchorEntry(
                 step=step,
-                object=ObjectRef(path=path, size=len(data), crc32c=object_checksum(path, data)),
+                object=ObjectRef(path=path, size=anchor.size, crc32c=crc32c),
                 param_groups=param_groups,
                 extra=extra,
             )
         )
 
     def _flush_batch(self) -> None:
-        if not self._rows:
+        if not self._batch.rows:
             return
         first, last = self._row_steps[0].step, self._row_steps[-1].step
         group = f"deltas/{first}-{last}-{secrets.token_hex(4)}"
-        objects = encode_batch(self._slots, self._rows, {"kind": self.kind, "first": first, "last": last})
+        objects = self._batch.finish(len(self._slots), {"kind": self.kind, "first": first, "last": last})
         refs = []
         for key, data in sorted(objects.items()):
             path = f"{group}/{key}"
@@ -557,10 +573,10 @@ class ChainWriter:
             self._written.append(path)
             refs.append(ObjectRef(path=key, size=len(data), crc32c=object_checksum(path, data)))
         self._pending_deltas.append(
-            DeltaEntry(path=group, objects=tuple(refs), slots=tuple(self._slots), rows=len(self._rows),
+            DeltaEntry(path=group, objects=tuple(refs), slots=tuple(self._slots), rows=self._batch.rows,
                        steps=tuple(self._row_steps))
         )
-        self._rows, self._row_steps, self._slots, self._slot_index = [], [], [], {}
+        self._batch, self._row_steps, self._slots, self._slot_index = BatchEncoder(), [], [], {}
         self._batch_bytes = 0
 
     def commit(self) -> int | None:

@@ -46,7 +46,8 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, An
     """A deep copy of the live state, in the shape ChainReader.materialize returns."""
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     osd = optimizer.state_dict()
-    state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()} for i, s in osd["state"].items()}
+    state = {i: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
+             for i, s in osd["state"].items()}
     import copy
 
     return {"model": sd, "optimizer": {"state": state, "param_groups": copy.deepcopy(osd["param_groups"])}}

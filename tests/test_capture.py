@@ -201,13 +201,14 @@ def writer_threads() -> list[threading.Thread]:
 SKIPPED = {3, 6, 7}  # steps whose gradients get an inf, so GradScaler skips them
 
 
-def scaler_run(tmp_path: Path, mode: str, fused: bool, skipped: set[int], steps: int = 10) -> None:
+def scaler_run(tmp_path: Path, mode: str, fused: bool, skipped: set[int], steps: int = 10,
+               staged: bool | None = None) -> None:
     model, opt, sched = make_objects(fused)
     # growth_interval 2: the scale grows as well as backs off, always by powers of two.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
     path = tmp_path / "chain"
     ck = ldformat.Checkpointer(path, model, opt, mode=mode, scheduler=sched, scaler=scaler, anchor_every=4,
-                               batch_steps=3, topk_ratio=0.2)
+                               batch_steps=3, topk_ratio=0.2, stage_during_backward=staged)
     refs = {0: snapshot(model, opt)}
     extras: dict[int, dict[str, Any]] = {0: {"scaler": scaler.state_dict(), "scheduler": sched.state_dict()}}
     scales = set()
@@ -239,6 +240,12 @@ def test_grad_scaler_with_skipped_steps(tmp_path: Path, mode: str, fused: bool) 
     scaler_run(tmp_path, mode, fused, SKIPPED)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["for-loop", "fused"])
+def test_grad_scaler_with_gradients_staged_during_backward(tmp_path: Path, fused: bool) -> None:
+    """The CUDA staging path, forced on the CPU: unscale_ rewrites staged gradients."""
+    scaler_run(tmp_path, "lowdiff+", fused, SKIPPED, staged=True)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_optimizer_skipping_its_first_step(tmp_path: Path, mode: str) -> None:
     """A fused optimizer creates its (zero) state even in a step GradScaler skips.
@@ -250,12 +257,13 @@ def test_fused_optimizer_skipping_its_first_step(tmp_path: Path, mode: str) -> N
 
 
 # -- 3. gradient accumulation and clipping -----------------------------------------------------
-@pytest.mark.parametrize("mode", MODES)
-def test_gradient_accumulation_and_clipping(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode,staged", [(m, False) for m in MODES] + [("lowdiff+", True)])
+def test_gradient_accumulation_and_clipping(tmp_path: Path, mode: str, staged: bool) -> None:
     model, opt, sched = make_objects()
     path = tmp_path / "chain"
+    # staged: the CUDA path's copies during backward, forced on the CPU.
     ck = ldformat.Checkpointer(path, model, opt, mode=mode, scheduler=sched, anchor_every=4, batch_steps=3,
-                               topk_ratio=0.2)
+                               topk_ratio=0.2, stage_during_backward=staged)
     refs = {0: snapshot(model, opt)}
     clipped = 0
     for step in range(1, 10):

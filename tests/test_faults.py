@@ -28,7 +28,7 @@ from models import assert_state_bits_equal, snapshot
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, WriterIOError
-from ldformat.store import LocalStore
+from ldformat.store import LocalStore, byte_view
 
 HERE = Path(__file__).resolve().parent
 BATCH_STEPS = 3
@@ -60,6 +60,7 @@ class FaultyStore(LocalStore):
         self.calls = 0
         self.failures = 0
         self._ctx: str | None = None
+        self._budget: int | None = None  # bytes the object being written may still write
 
     def arm(self) -> None:
         self.armed = True
@@ -76,18 +77,27 @@ class FaultyStore(LocalStore):
     def _error(self) -> OSError:
         return OSError(self.err, os.strerror(self.err))
 
-    def write(self, path: str, data: Any) -> None:
+    def write_parts(self, path: str, parts: Any) -> None:
+        # LocalStore.write goes through here too; anchors are streamed part by part.
         self._ctx = "anchor" if path.startswith("anchors/") else "delta" if path.startswith("deltas/") else None
+        op = {"anchor": "write:anchor", "delta": "write:delta"}.get(self._ctx or "")
+        # One count per object, however many parts it is written in; a failing object gets
+        # half its bytes written first.
+        self._budget = sum(len(byte_view(p)) for p in parts) // 2 if op is not None and self._check(op) else None
         try:
-            super().write(path, data)
+            super().write_parts(path, parts)
         finally:
-            self._ctx = None
+            self._ctx, self._budget = None, None
 
     def _write_fd(self, fd: int, data: memoryview) -> None:
-        op = {"anchor": "write:anchor", "delta": "write:delta", "record": "write:record"}.get(self._ctx or "")
-        if op is not None and self._check(op):
+        if self._ctx == "record" and self._check("write:record"):
             super()._write_fd(fd, data[: len(data) // 2])
             raise self._error()
+        if self._budget is not None:
+            if len(data) >= self._budget:
+                super()._write_fd(fd, data[: self._budget])
+                raise self._error()
+            self._budget -= len(data)
         super()._write_fd(fd, data)
 
     def sync(self, paths: Iterable[str]) -> None:

@@ -120,6 +120,11 @@ class Checkpointer:
         max_stall: bound on the measured stall fraction the adaptive tuner keeps.
         mtbf_hours: mean time between failures, for the policy.
         queue_depth: steps that may wait for the background writer before training blocks.
+        stage_during_backward: ``lowdiff+`` copies each gradient to host memory as soon as
+            backward has accumulated it, overlapping the copy with the rest of backward.
+            Default: only on CUDA; on a CPU nothing runs alongside, so the copy is made
+            once at ``optimizer.step()`` instead (clipping or accumulation would otherwise
+            make it copy twice).
         step: the step the live state is at when re-opening a chain (default: the chain's
             latest step). Steps after it are truncated, since training will redo them.
         rank, world_size: for data-parallel training; only rank 0 writes.
@@ -150,6 +155,7 @@ class Checkpointer:
         mtbf_hours: float = 24.0,
         queue_depth: int = 2,
         max_batch_bytes: int = 1 << 30,
+        stage_during_backward: bool | None = None,
         step: int | None = None,
         extra: dict[str, Any] | None = None,
         store: Store | None = None,
@@ -218,7 +224,9 @@ class Checkpointer:
             optimizer.register_step_pre_hook(self._pre_hook),
             optimizer.register_step_post_hook(self._post_hook),
         ]
-        if mode == "lowdiff+":
+        if stage_during_backward is None:
+            stage_during_backward = self._cuda
+        if mode == "lowdiff+" and stage_during_backward:
             for i, p in enumerate(params):
                 self._handles.append(p.register_post_accumulate_grad_hook(self._stage_hook(i)))
         self._unwrap: list[Callable[[], None]] = []
