@@ -127,7 +127,8 @@ class _Entry:
     end: int
 
 
-def _parse_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dict[str, str], dict[str, _Entry], int]:
+def _parse_header(data: bytes | bytearray | memoryview | np.ndarray,
+                  where: str) -> tuple[dict[str, str], dict[str, _Entry], int]:
     """Validate a safetensors header like safetensors does; returns (metadata, entries, data start)."""
 
     def bad(why: str) -> CorruptChainError:
@@ -195,18 +196,22 @@ def _parse_header(data: bytes | bytearray | memoryview, where: str) -> tuple[dic
     return meta, entries, 8 + n
 
 
-def decode_anchor(data: bytes | bytearray | memoryview, step: int, where: str) -> dict[str, torch.Tensor]:
+def decode_anchor(data: bytes | bytearray | memoryview | np.ndarray, step: int, where: str) -> dict[str, torch.Tensor]:
     """Parse a verified anchor object; checks the metadata names the expected step.
 
-    The tensors share ``data`` when it is a ``bytearray`` (one copy is made otherwise):
+    The tensors share ``data`` when it is a ``bytearray`` or a writable ``uint8`` array (as
+    :meth:`Store.read_buffer` returns; one copy is made otherwise):
     each is a writable view of its own byte range, except a tensor whose offset is not
     aligned to its element size (other writers), which is copied. Sorted by name.
     """
     meta, entries, start = _parse_header(data, where)
     if meta.get("ldformat.format") != "anchor" or meta.get("ldformat.step") != str(step):
         raise CorruptChainError(f"{where}: anchor metadata does not name step {step}")
-    buf = data if isinstance(data, bytearray) else bytearray(data)
-    base = np.frombuffer(buf, np.uint8).ctypes.data if buf else 0
+    owned = isinstance(data, bytearray) or (
+        isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 and data.flags.writeable
+        and data.flags.c_contiguous)
+    buf = data if owned else bytearray(data)
+    base = np.frombuffer(buf, np.uint8).ctypes.data if len(buf) else 0
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(entries):
         e = entries[name]
@@ -226,7 +231,7 @@ def decode_anchor(data: bytes | bytearray | memoryview, step: int, where: str) -
     return tensors
 
 
-def tensor_bytes(data: bytes | bytearray | memoryview, prefix: str) -> int:
+def tensor_bytes(data: bytes | bytearray | memoryview | np.ndarray, prefix: str) -> int:
     """Bytes of the tensors whose name starts with ``prefix``, from the header alone."""
     _, entries, _ = _parse_header(data, "anchor")
     return sum(e.end - e.begin for k, e in entries.items() if k.startswith(prefix))

@@ -243,7 +243,8 @@ def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int,
 
 
 def decode_batch(
-    objects: Mapping[str, bytes], slots: tuple[SlotInfo, ...], rows: int, where: str, wanted: range | None = None
+    objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int, where: str,
+    wanted: range | None = None,
 ) -> DecodedBatch:
     """Decode the rows ``wanted`` (default: all) of one group.
 
@@ -256,7 +257,7 @@ def decode_batch(
     def load(keys: list[str]) -> None:
         for k in keys:
             if k not in store._store_dict:
-                store._store_dict[k] = proto.buffer.from_bytes(objects[k])
+                store._store_dict[k] = proto.buffer.from_array_like(np.frombuffer(objects[k], np.uint8))
 
     try:
         with warnings.catch_warnings():

@@ -13,6 +13,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from .anchor import decode_anchor
@@ -87,12 +88,12 @@ class ChainReader:
         return self.state.latest_step
 
     # -- objects -----------------------------------------------------------------------
-    def read_object(self, ref: ObjectRef, step: int | None = None, prefix: str = "") -> bytes:
-        """Read an object and verify its size and crc32c against the log."""
+    def read_object(self, ref: ObjectRef, step: int | None = None, prefix: str = "") -> np.ndarray:
+        """Read an object and verify its size and crc32c against the log (a writable uint8 array)."""
         path = f"{prefix}/{ref.path}" if prefix else ref.path
         where = f"{self.path}/{path}" + (f" (step {step})" if step is not None else "")
         try:
-            data = self.store.read(path)
+            data = self.store.read_buffer(path)
         except FileNotFoundError:
             raise MissingObjectError(
                 f"{where}: object is missing (deleted or never synced); restore it from a copy, or "
@@ -279,15 +280,15 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
-class _VerifiedObjects(Mapping[str, bytes]):
+class _VerifiedObjects(Mapping[str, np.ndarray]):
     """The objects of a batch by key, each read and verified on first access."""
 
     def __init__(self, reader: ChainReader, entry: DeltaEntry, step: int | None) -> None:
         self._reader, self._entry, self._step = reader, entry, step
         self._refs = {o.path: o for o in entry.objects}
-        self._data: dict[str, bytes] = {}
+        self._data: dict[str, np.ndarray] = {}
 
-    def __getitem__(self, key: str) -> bytes:
+    def __getitem__(self, key: str) -> np.ndarray:
         data = self._data.get(key)
         if data is None:
             data = self._data[key] = self._reader.read_object(self._refs[key], self._step, self._entry.path)

@@ -80,11 +80,15 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def read(self, path: str) -> bytes:
-        """Return the whole object (any bytes-like object); FileNotFoundError if it does not exist.
+        """Return the whole object; FileNotFoundError if it does not exist."""
 
-        :class:`LocalStore` returns a writable ``bytearray``, which anchor loading turns into
-        tensors without another copy.
+    def read_buffer(self, path: str) -> np.ndarray:
+        """The whole object as a writable ``uint8`` array that the caller owns.
+
+        Anchor loading turns it into tensors without another copy. The default copies the
+        result of :meth:`read` once.
         """
+        return np.frombuffer(bytearray(self.read(path)), np.uint8)
 
     @abc.abstractmethod
     def size(self, path: str) -> int:
@@ -215,24 +219,28 @@ class LocalStore(Store):
                 pass
         self._sync_dirs([target])
 
-    # A bytearray is bytes-like everywhere the format reads objects (json, checksum, zarr);
-    # the ignore goes once Store.read and its callers are typed ``bytes | bytearray``.
-    def read(self, path: str) -> bytearray:  # type: ignore[override]
-        # One copy, from the page cache straight into the buffer the caller keeps.
+    def read(self, path: str) -> bytes:
+        return self._abs(path).read_bytes()
+
+    def read_buffer(self, path: str) -> np.ndarray:
+        # One copy, from the page cache into uninitialized memory (a bytearray would be
+        # zero-filled first: a second pass over the object).
         with open(self._abs(path), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
-            buf = bytearray(size)
+            buf = np.empty(size, np.uint8)
             got = 0
-            with memoryview(buf) as view:
+            with buf.data as view:
                 while got < size:
                     n = f.readinto(view[got:])
                     if not n:
                         break
                     got += n
             if got < size:  # the file shrank while being read
-                del buf[got:]
+                buf = buf[:got]
             else:  # or grew
-                buf += f.read()
+                rest = f.read()
+                if rest:
+                    buf = np.concatenate([buf, np.frombuffer(rest, np.uint8)])
         return buf
 
     def size(self, path: str) -> int:

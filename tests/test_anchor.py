@@ -165,7 +165,8 @@ def test_write_parts_streams_the_same_bytes(tmp_path: Path) -> None:
     assert (tmp_path / "anchors/7-abcd.safetensors").read_bytes() == encode_anchor(every_dtype(), 7)
     store.write("x/plain", b"abc")
     assert store.read("x/plain") == b"abc"
-    assert isinstance(store.read("x/plain"), bytearray)
+    buf = store.read_buffer("x/plain")  # writable and owned: anchors load from it without a copy
+    assert buf.dtype == np.uint8 and buf.flags.writeable and buf.tobytes() == b"abc"
 
 
 def test_other_stores_get_the_parts_joined() -> None:
