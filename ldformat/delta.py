@@ -15,8 +15,10 @@ codec chain with ``crc32c``.
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +26,7 @@ import google_crc32c
 import numpy as np
 import torch
 import zarr
+from numcodecs import Blosc
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
@@ -242,6 +245,111 @@ def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int,
     return out
 
 
+# -- decoding -----------------------------------------------------------------------------
+# Arrays in the codec chain 1.0 writers use (bytes -> blosc -> crc32c) are decoded directly:
+# each chunk's crc32c is checked, then numcodecs decompresses it (without the GIL, so chunks
+# decode in parallel). Anything else goes through zarr, which supports every Zarr v3 codec.
+_PROFILE_DTYPES = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "int64": "<i8"}
+
+
+@dataclass
+class _ProfileArray:
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+
+    @property
+    def grid(self) -> tuple[int, ...]:
+        return tuple(-(-s // c) for s, c in zip(self.shape, self.chunks, strict=True))
+
+    @classmethod
+    def parse(cls, name: str, raw: bytes | np.ndarray) -> _ProfileArray | None:
+        """The array, if its metadata uses the 1.0 codec chain and a simple chunk layout."""
+        try:
+            meta = json.loads(bytes(raw))
+            grid, keys, codecs = meta["chunk_grid"], meta["chunk_key_encoding"], meta["codecs"]
+            dtype = _PROFILE_DTYPES.get(meta["data_type"])
+            shape = tuple(int(s) for s in meta["shape"])
+            chunks = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+            ok = (meta["zarr_format"] == 3 and meta["node_type"] == "array" and dtype is not None
+                  and grid["name"] == "regular" and keys["name"] == "default"
+                  and keys.get("configuration", {}).get("separator", "/") == "/"
+                  and not meta.get("storage_transformers")
+                  and [c["name"] for c in codecs] == ["bytes", "blosc", "crc32c"]
+                  and codecs[0].get("configuration", {}).get("endian", "little") == "little"
+                  and len(shape) == len(chunks) and all(c > 0 for c in chunks) and all(s >= 0 for s in shape))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None  # let zarr parse (and reject) it
+        if not ok or not (len(shape) == 1 or all(s <= c for s, c in zip(shape, chunks, strict=True))):
+            return None  # N-D arrays of more than one chunk: zarr
+        return cls(name, np.dtype(dtype), shape, chunks)
+
+    def decode_chunk(self, data: bytes | np.ndarray, key: str, where: str) -> np.ndarray:
+        buf = np.frombuffer(data, np.uint8)
+        if buf.shape[0] < 4 or google_crc32c.extend(0, buf[:-4]) != int.from_bytes(buf[-4:].tobytes(), "little"):
+            raise CorruptChainError(f"{where}: chunk {key} fails its crc32c codec check")
+        try:
+            raw = _BLOSC.decode(buf[:-4])
+        except Exception as e:
+            raise CorruptChainError(f"{where}: chunk {key} does not decompress ({e})") from None
+        n = int(np.prod(self.chunks))
+        if len(raw) != n * self.dtype.itemsize:
+            raise CorruptChainError(f"{where}: chunk {key} holds {len(raw)} bytes, expected {n * self.dtype.itemsize}")
+        return np.frombuffer(raw, self.dtype).reshape(self.chunks)
+
+    def read(self, objects: Mapping[str, bytes | np.ndarray], span: range | None, where: str,
+             pool: ThreadPoolExecutor | None) -> np.ndarray:
+        """Elements ``span`` of a 1-D array, or the whole array (one chunk) when ``span`` is None."""
+        if span is None:
+            if 0 in self.shape:
+                return np.zeros(self.shape, self.dtype)
+            key = f"{self.name}/c/" + "/".join("0" for _ in self.shape)
+            whole = self.decode_chunk(objects[key], key, where)
+            return np.ascontiguousarray(whole[tuple(slice(0, s) for s in self.shape)])
+        out = np.empty(len(span), self.dtype)
+        (c,) = self.chunks
+
+        def one(i: int) -> None:
+            key = f"{self.name}/c/{i}"
+            values = self.decode_chunk(objects[key], key, where)
+            lo, hi = max(span.start, i * c), min(span.stop, (i + 1) * c)
+            out[lo - span.start : hi - span.start] = values[lo - i * c : hi - i * c]
+
+        indices = range(span.start // c, -(-span.stop // c))
+        if pool is None or len(indices) < 2:
+            for i in indices:
+                one(i)
+        else:
+            for f in [pool.submit(one, i) for i in indices]:
+                f.result()
+        return out
+
+
+_BLOSC = Blosc()  # decoding reads the codec settings from each chunk's blosc header
+
+
+def _profile_arrays(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, _ProfileArray] | None:
+    """Every array of the group, if all use the 1.0 codec chain (else None: decode with zarr)."""
+    try:
+        group = json.loads(bytes(objects["zarr.json"]))
+        if group.get("zarr_format") != 3 or group.get("node_type") != "group":
+            return None
+    except (KeyError, ValueError, AttributeError):
+        return None
+    arrays = {}
+    for key in objects:
+        parts = key.split("/")
+        if len(parts) == 2 and parts[1] == "zarr.json":
+            array = _ProfileArray.parse(parts[0], objects[key])
+            if array is None:
+                return None
+            arrays[parts[0]] = array
+        elif len(parts) > 2 and parts[-1] == "zarr.json":
+            return None  # nested groups are not in the format: let zarr decide
+    return arrays
+
+
 def decode_batch(
     objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int, where: str,
     wanted: range | None = None,
@@ -251,6 +359,59 @@ def decode_batch(
     ``objects`` maps every listed key to its verified bytes; it may be lazy: only the
     metadata, ``counts`` and the chunks holding the wanted rows are looked up.
     """
+    wanted = range(rows) if wanted is None else wanted
+    arrays = _profile_arrays(objects, where)
+    if arrays is None:
+        counts, data = _decode_with_zarr(objects, slots, rows, where, wanted)
+    else:
+        counts, data = _decode_profile(arrays, objects, slots, rows, where, wanted)
+    return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
+
+
+def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, Any], where: str) -> None:
+    # Zarr would read an unlisted (missing) chunk as fill value: refuse it (spec §10.2).
+    for coords in np.ndindex(*grid):
+        key = f"{name}/c/" + "/".join(map(str, coords))
+        if key not in objects:
+            raise CorruptChainError(f"{where}: chunk {key} is not listed in the commit record")
+
+
+def _check_counts(counts: np.ndarray, rows: int, slots: tuple[SlotInfo, ...], where: str) -> None:
+    if counts.shape != (rows, len(slots)) or counts.dtype != np.int64:
+        raise CorruptChainError(f"{where}: counts array missing or of the wrong shape")
+
+
+def _check_span(name: str, span: range, length: int, wanted: range, where: str) -> None:
+    if span.stop > length:
+        raise CorruptChainError(f"{where}: the segments of rows {wanted.start}..{wanted.stop - 1} run past the end "
+                                f"of {name}")
+
+
+def _decode_profile(arrays: dict[str, _ProfileArray], objects: Mapping[str, bytes | np.ndarray],
+                    slots: tuple[SlotInfo, ...], rows: int, where: str,
+                    wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    for name, array in arrays.items():
+        _check_listed(name, array.grid, objects, where)
+    if "counts" not in arrays:
+        raise CorruptChainError(f"{where}: counts array missing")
+    counts = arrays["counts"].read(objects, None, where, None)
+    _check_counts(counts, rows, slots, where)
+    data: dict[str, np.ndarray] = {}
+    with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
+                            thread_name_prefix="ldformat-decode") as pool:
+        for name, span in _element_ranges(counts, slots, wanted.start, wanted.stop).items():
+            flat = arrays.get(name)
+            if flat is None or not span:
+                continue
+            if len(flat.shape) != 1:
+                raise CorruptChainError(f"{where}: {name} is not a 1-D array")
+            _check_span(name, span, flat.shape[0], wanted, where)
+            data[name] = flat.read(objects, span, where, pool)
+    return counts, data
+
+
+def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int,
+                      where: str, wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     proto = default_buffer_prototype()
     store = MemoryStore({})
 
@@ -266,25 +427,18 @@ def decode_batch(
             group = zarr.open_group(store, mode="r")
             arrays = {name: zarr.open_array(store, path=name, mode="r") for name in sorted(group.array_keys())}
             for name, array in arrays.items():
-                for coords in np.ndindex(*array.cdata_shape):
-                    key = f"{name}/c/" + "/".join(map(str, coords))
-                    if key not in objects:
-                        raise CorruptChainError(f"{where}: chunk {key} is not listed in the commit record")
+                _check_listed(name, array.cdata_shape, objects, where)
             if "counts" not in arrays:
                 raise CorruptChainError(f"{where}: counts array missing")
             load([k for k in objects if k.startswith("counts/c/")])
             counts = np.asarray(arrays["counts"][...])
-            if counts.shape != (rows, len(slots)) or counts.dtype != np.int64:
-                raise CorruptChainError(f"{where}: counts array missing or of the wrong shape")
-            wanted = range(rows) if wanted is None else wanted
+            _check_counts(counts, rows, slots, where)
             data: dict[str, np.ndarray] = {}
             for name, span in _element_ranges(counts, slots, wanted.start, wanted.stop).items():
                 flat = arrays.get(name)
                 if flat is None or not span:
                     continue
-                if span.stop > flat.shape[0]:
-                    raise CorruptChainError(f"{where}: the segments of rows {wanted.start}..{wanted.stop - 1} run "
-                                            f"past the end of {name}")
+                _check_span(name, span, flat.shape[0], wanted, where)
                 chunk = flat.chunks[0]
                 load([f"{name}/c/{i}" for i in range(span.start // chunk, -(-span.stop // chunk))])
                 data[name] = np.asarray(flat[span.start : span.stop])
@@ -292,7 +446,7 @@ def decode_batch(
         raise
     except Exception as e:  # zarr raises many types for damaged data
         raise CorruptChainError(f"{where}: cannot decode delta batch ({type(e).__name__}: {e})") from None
-    return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
+    return counts, data
 
 
 def _segments(data: dict[str, np.ndarray], counts: np.ndarray, slots: tuple[SlotInfo, ...], wanted: range,

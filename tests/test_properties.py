@@ -217,3 +217,59 @@ def test_records_round_trip(record: Record) -> None:
     back = Record.from_bytes(data, "record")
     assert back.to_bytes() == data
     assert back.anchors == record.anchors and back.deltas == record.deltas
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches(), st.data())
+def test_direct_decoder_matches_zarr(batch: Any, data: Any) -> None:
+    """Arrays in the 1.0 codec chain are decoded without zarr; zarr must agree on every row."""
+    slots, rows, _ = batch
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(delta, "CHUNK_BYTES", data.draw(st.sampled_from([8, 24, 1 << 23])))
+        objects = encode_batch(slots, rows, {"kind": "test"})
+    first = data.draw(st.integers(0, len(rows) - 1))
+    wanted = range(first, data.draw(st.integers(first + 1, len(rows))))
+    assert delta._profile_arrays(objects, "batch") is not None
+    direct = decode_batch(objects, tuple(slots), len(rows), "batch", wanted)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(delta, "_profile_arrays", lambda objects, where: None)
+        via_zarr = decode_batch(objects, tuple(slots), len(rows), "batch", wanted)
+    assert np.array_equal(direct.counts, via_zarr.counts)
+    for r in wanted:
+        a, b = direct.row(r), via_zarr.row(r)
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert a[name][1].dtype == b[name][1].dtype and a[name][1].tobytes() == b[name][1].tobytes()
+            assert (a[name][0] is None and b[name][0] is None) or np.array_equal(a[name][0], b[name][0])
+
+
+def test_other_zarr_codecs_decode_through_zarr() -> None:
+    """A batch whose arrays use another Zarr v3 codec chain is still read (spec §10.2)."""
+    import zarr
+    from zarr.codecs import Crc32cCodec, GzipCodec
+    from zarr.storage import MemoryStore
+
+    from ldformat.jsonvalue import dtype_name
+
+    slots = (SlotInfo(name="s0", dtype=dtype_name(torch.float32), shape=(3,), encoding="dense"),)
+    values = np.array([1.0, -2.5, 3.25], np.float32).view(np.uint32)
+    store = MemoryStore({})
+    zarr.open_group(store, mode="w", attributes={"ldformat": {"kind": "test"}})
+    for name, arr in [("counts", np.array([[3]], np.int64)), ("values_u32", values)]:
+        zarr.create_array(store, name=name, data=arr, chunks=arr.shape, compressors=[GzipCodec(), Crc32cCodec()],
+                          fill_value=0)
+    objects = {k: v.to_bytes() for k, v in store._store_dict.items()}
+    assert delta._profile_arrays(objects, "batch") is None
+    decoded = decode_batch(objects, slots, 1, "batch")
+    assert decoded.row(0)["s0"][1].tobytes() == values.tobytes()
+
+
+def test_direct_decoder_refuses_a_damaged_chunk() -> None:
+    slots = [SlotInfo(name="s0", dtype="float32", shape=(4,), encoding="dense")]
+    objects = encode_batch(slots, [{0: (None, np.arange(4, dtype=np.uint32))}], {"kind": "test"})
+    damaged = dict(objects)
+    chunk = bytearray(damaged["values_u32/c/0"])
+    chunk[len(chunk) // 2] ^= 1
+    damaged["values_u32/c/0"] = bytes(chunk)
+    with pytest.raises(CorruptChainError, match="crc32c"):
+        decode_batch(damaged, tuple(slots), 1, "batch")
