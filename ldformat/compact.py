@@ -22,7 +22,7 @@ from .anchor import anchor_parts
 from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .garbage import remove_unreferenced, unreferenced_objects
-from .jsonvalue import object_checksum, object_checksum_parts
+from .jsonvalue import object_checksum_parts
 from .lock import WriterLock
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry, log_path
 from .reader import ChainReader
@@ -219,23 +219,17 @@ def _rebuild_delta_entries(state: ChainState, keep: dict[int, StepEntry]) -> lis
 
 
 def _write_object(reader: ChainReader, path: str, data: bytes, written: list[str]) -> ObjectRef:
-    _store_io(reader, path, reader.store.write, path, data)
-    written.append(path)
-    return ObjectRef(path=path, size=len(data), crc32c=object_checksum(path, data))
+    return _write_parts(reader, path, (data,), len(data), written)
 
 
 def _write_parts(reader: ChainReader, path: str, parts: Sequence[Part], size: int, written: list[str]) -> ObjectRef:
-    """Like :func:`_write_object` for an object streamed from ``parts`` (never joined)."""
-    _store_io(reader, path, reader.store.write_parts, path, parts)
-    written.append(path)
-    return ObjectRef(path=path, size=size, crc32c=object_checksum_parts(path, parts))
-
-
-def _store_io(reader: ChainReader, path: str, fn: Callable[..., None], *args: Any) -> None:
+    """Write an object streamed from ``parts`` (never joined); returns its reference."""
     try:
-        fn(*args)
+        reader.store.write_parts(path, parts)
     except OSError as e:
         raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
+    written.append(path)
+    return ObjectRef(path=path, size=size, crc32c=object_checksum_parts(path, parts))
 
 
 def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorEntry:
