@@ -23,7 +23,7 @@ from .errors import (
 )
 from .manifest import FORMAT_VERSION, KINDS
 from .reader import ChainReader
-from .store import LocalStore, Store
+from .stores import LocalStore, Store
 from .topk import TopK
 from .validate import Problem, ValidationReport, validate
 from .writer import ChainWriter

@@ -26,7 +26,7 @@ from .jsonvalue import object_checksum_parts
 from .lock import WriterLock
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry, log_path
 from .reader import ChainReader
-from .store import Part, Store
+from .stores import Part, Store
 
 
 @dataclass

@@ -33,6 +33,10 @@ class CorruptChainError(ChainError, ValueError):
     """Checksum mismatch, truncated object, malformed record or broken log sequence."""
 
 
+class FormatError(CorruptChainError):
+    """A record, root or lock file is not well-formed JSON within the limits of spec §6.4."""
+
+
 class MissingObjectError(CorruptChainError, FileNotFoundError):
     """An object referenced by the log does not exist."""
 
@@ -50,6 +54,14 @@ class EmptyChainError(StepNotFoundError):
 
 class ChainLockedError(ChainError):
     """Another live writer holds the chain's writer lock."""
+
+
+class LockLostError(ChainLockedError):
+    """This writer's lock generation was superseded by a takeover; it must stop (spec §15)."""
+
+
+class OutputWriteError(LdformatError, OSError):
+    """Writing an output file (not the chain) failed: disk full, permission, I/O error."""
 
 
 class WriterIOError(ChainError, OSError):

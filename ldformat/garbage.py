@@ -8,7 +8,7 @@ lock removes them.
 from __future__ import annotations
 
 from .manifest import LOG_DIR, ChainState, log_path, log_sequence_numbers
-from .store import Store
+from .stores import Store
 
 
 def unreferenced_objects(store: Store, state: ChainState) -> list[str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .errors import ChainLockedError, WriterIOError
 from .manifest import LOCK_FILE
-from .store import Store
+from .stores import Store
 
 
 def _start_time(pid: int) -> str | None:

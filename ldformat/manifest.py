@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from .errors import CorruptChainError, NotAChainError, UnsupportedVersionError
 from .jsonvalue import canonical, verify_checksum, with_checksum
-from .store import Store, check_relative_path
+from .stores import Store, check_relative_path
 
 FORMAT_NAME = "ldformat"
 FORMAT_VERSION = "1.0"
@@ -23,7 +23,8 @@ FORMAT_MAJOR = 1
 ROOT_FILE = "ldformat.json"
 LOG_DIR = "log"
 LOCK_FILE = "writer.lock"
-KINDS = ("grad.topk", "grad.dense", "state.xor")
+Kind = Literal["grad.topk", "grad.dense", "state.xor"]
+KINDS: tuple[Kind, ...] = get_args(Kind)
 _LOG_NAME = re.compile(r"^log/(\d{12})\.json$")
 
 

@@ -30,7 +30,7 @@ from .errors import (
 from .jsonvalue import object_checksum
 from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry, read_log, read_root
 from .replay import Replayer
-from .store import LocalStore, Store
+from .stores import LocalStore, Store
 
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ class ChainReader:
 
     Args:
         path: the chain directory.
-        store: an explicit :class:`~ldformat.store.Store` (defaults to a local directory).
+        store: an explicit :class:`~ldformat.stores.Store` (defaults to a local directory).
 
     Example:
         >>> reader = ChainReader("runs/chain")                     # doctest: +SKIP

@@ -20,7 +20,7 @@ import torch
 from .errors import ChainError, NotAChainError
 from .reader import ChainReader
 from .state import bits_view
-from .store import Store
+from .stores import Store
 
 
 @dataclass(frozen=True)

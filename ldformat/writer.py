@@ -70,7 +70,7 @@ from .state import (
     optimizer_params,
     resolve_implementation,
 )
-from .store import LocalStore, Store
+from .stores import LocalStore, Store
 from .topk import TopK
 
 

@@ -58,7 +58,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ldformat
-from ldformat.store import LocalStore
+from ldformat.stores import LocalStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import TinyNet, snapshot  # noqa: E402

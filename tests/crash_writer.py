@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import ldformat
-from ldformat.store import LocalStore
+from ldformat.stores import LocalStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from models import TinyNet, snapshot, train_step  # noqa: E402

@@ -19,7 +19,7 @@ import torch
 from ldformat.anchor import SAFETENSORS_DTYPES, anchor_parts, decode_anchor, encode_anchor, tensor_bytes
 from ldformat.errors import CorruptChainError, UnsupportedStateError
 from ldformat.jsonvalue import crc32c_hex, object_checksum, object_checksum_parts
-from ldformat.store import LocalStore
+from ldformat.stores import LocalStore
 
 WHERE = "chain/anchors/7-abcd.safetensors"
 
@@ -170,7 +170,7 @@ def test_write_parts_streams_the_same_bytes(tmp_path: Path) -> None:
 
 
 def test_other_stores_get_the_parts_joined() -> None:
-    from ldformat.store import Store
+    from ldformat.stores import Store
 
     class MemoryStore(Store):
         def __init__(self) -> None:

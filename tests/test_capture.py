@@ -44,7 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ldformat
 from ldformat import ChainReader, LdformatError, ResumableSampler
 from ldformat.capture.runtime import _open_checkpointers
-from ldformat.store import LocalStore
+from ldformat.stores import LocalStore
 
 HERE = Path(__file__).resolve().parent
 MODES = ct.MODES

@@ -1,7 +1,7 @@
 """I/O faults injected through the store (DESIGN §6): disk full, permission, I/O errors.
 
 Tests run as root, where permissions do not bite, so faults come from a
-:class:`~ldformat.store.LocalStore` subclass that raises ``OSError`` from one primitive of
+:class:`~ldformat.stores.LocalStore` subclass that raises ``OSError`` from one primitive of
 the commit protocol once it has succeeded ``after`` times (and keeps failing: a full disk
 stays full). A real ``EFBIG`` comes from ``RLIMIT_FSIZE`` in a subprocess.
 
@@ -28,7 +28,7 @@ from models import assert_state_bits_equal, snapshot
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, WriterIOError
-from ldformat.store import LocalStore, byte_view
+from ldformat.stores import LocalStore, byte_view
 
 HERE = Path(__file__).resolve().parent
 BATCH_STEPS = 3

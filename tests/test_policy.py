@@ -26,7 +26,7 @@ from ldformat.capture.policy import (
     optimal_batch_steps,
     wasted_time_per_step,
 )
-from ldformat.store import LocalStore
+from ldformat.stores import LocalStore
 
 ANCHOR_UPPER = 100_000  # the defaults of optimal_anchor_every / optimal_batch_steps
 BATCH_UPPER = 256

@@ -11,7 +11,7 @@ import torch
 from ..errors import StepNotFoundError
 from ..manifest import ROOT_FILE
 from ..reader import ChainReader
-from ..store import Store
+from ..stores import Store
 from ..topk import TopK
 from .rng import restore_rng
 

@@ -41,7 +41,7 @@ from ..manifest import ROOT_FILE, SlotInfo, StepEntry
 from ..reader import ChainReader
 from ..replay import Replayer
 from ..state import encode_param_groups
-from ..store import Store
+from ..stores import Store
 from ..topk import TopK
 from ..writer import CapturedStep, CapturedTensor, ChainWriter
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps
