@@ -33,7 +33,7 @@ def raw_state_bytes(trainer: Trainer) -> int:
 def chain_bytes(chain: str | os.PathLike[str]) -> dict[str, Any]:
     """Where a chain's bytes go: anchors, delta objects by array, log records; raw sizes of the deltas."""
     from ldformat import ChainReader
-    from ldformat.manifest import log_path
+    from ldformat.log import log_path
     from ldtools.cli import chain_info
 
     reader = ChainReader(chain)

@@ -10,8 +10,6 @@ the old view re-reads the log when an object it needs has gone.
 from __future__ import annotations
 
 import os
-import secrets
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,10 +19,17 @@ import numpy as np
 from .anchor import anchor_parts
 from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
-from .garbage import remove_unreferenced, unreferenced_objects
 from .jsonvalue import object_checksum_parts
-from .lock import WriterLock
-from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry, log_path
+from .log import (
+    WriterLock,
+    anchor_object_path,
+    batch_group_path,
+    collect_garbage,
+    commit_record,
+    garbage,
+    open_log_for_write,
+)
+from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, SlotInfo, StepEntry
 from .reader import ChainReader
 from .stores import Part, Store
 
@@ -113,24 +118,30 @@ def compact(
     if max_replay is not None and max_replay < 0:
         raise UsageError("max_replay must be >= 0")
     reader = ChainReader(path, store=store)
-    lock = None if dry_run else WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)[0]
+    if dry_run:
+        return _compact(reader, None, max_replay, keep_last, keep_every, progress)
+    lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)
     try:
-        if lock is not None:
-            reader.refresh()
-        return _compact(reader, max_replay, keep_last, keep_every, dry_run, progress)
+        reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
+        return _compact(reader, lock, max_replay, keep_last, keep_every, progress)
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()
 
 
-def _compact(reader: ChainReader, max_replay: int | None, keep_last: int | None, keep_every: int | None,
-             dry_run: bool, progress: Callable[[str, int, int], None] | None) -> CompactionPlan:
+def _remove_garbage(reader: ChainReader, lock: WriterLock | None) -> list[str]:
+    """Garbage, deleted unless this is a dry run (``lock`` None)."""
+    if lock is None:
+        return garbage(reader.store, reader.state)
+    return collect_garbage(reader.store, reader.state, lock, reader.path)
+
+
+def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | None, keep_last: int | None,
+             keep_every: int | None, progress: Callable[[str, int, int], None] | None) -> CompactionPlan:
+    dry_run = lock is None
     state = reader.state
     plan = CompactionPlan()
     if state.latest_step is None:
-        plan.removed_objects = unreferenced_objects(reader.store, state)
-        if not dry_run:
-            remove_unreferenced(reader.store, state)
+        plan.removed_objects = _remove_garbage(reader, lock)
         return plan
     limit = max_replay if max_replay is not None else float("inf")
     steps = state.steps
@@ -169,11 +180,9 @@ def _compact(reader: ChainReader, max_replay: int | None, keep_last: int | None,
     plan.merged_deltas = [(b, t) for t, (b, _) in sorted(merges.items())]
     dropped_deltas = sorted(s for s in state.deltas if s not in keep_delta)
     if not plan.changes_references and not dropped_deltas:
-        plan.removed_objects = unreferenced_objects(reader.store, state)
-        if not dry_run:
-            remove_unreferenced(reader.store, state)
+        plan.removed_objects = _remove_garbage(reader, lock)
         return plan
-    if dry_run:
+    if lock is None:
         new_state = _planned_state(state, kept_anchors, keep_delta)
         plan.removed_objects = sorted(state.referenced_objects() - new_state.referenced_objects())
         return plan
@@ -191,10 +200,10 @@ def _compact(reader: ChainReader, max_replay: int | None, keep_last: int | None,
         reader.store.sync(written)
     except OSError as e:
         raise WriterIOError(f"{reader.path}: syncing compaction objects failed: {e.strerror or e}") from None
-    _commit_snapshot(reader, anchors, deltas, "compact")
+    _commit_snapshot(reader, lock, anchors, deltas, "compact")
     plan.committed = True
     reader.refresh()
-    plan.removed_objects = remove_unreferenced(reader.store, reader.state)
+    plan.removed_objects = _remove_garbage(reader, lock)
     return plan
 
 
@@ -240,8 +249,7 @@ def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorE
     # Residuals of a top-k compressor are only valid at the anchor that stored them.
     tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor")}
     anchor = anchor_parts(tensors, step)
-    ref = _write_parts(reader, f"anchors/{step}-{secrets.token_hex(4)}.safetensors", anchor.parts, anchor.size,
-                       written)
+    ref = _write_parts(reader, anchor_object_path(step), anchor.parts, anchor.size, written)
     return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra)
 
 
@@ -280,7 +288,7 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
                                  param_groups=last.param_groups, extra=last.extra))
         rows.append(row_out)
     first, last_step = entries[0].step, entries[-1].step
-    group = f"deltas/{first}-{last_step}-{secrets.token_hex(4)}"
+    group = batch_group_path(first, last_step)
     objects = encode_batch(slots, rows, {"kind": reader.kind, "first": first, "last": last_step, "merged": True})
     refs = []
     for key, data in sorted(objects.items()):
@@ -289,27 +297,13 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
     return DeltaEntry(path=group, objects=tuple(refs), slots=tuple(slots), rows=len(rows), steps=tuple(entries))
 
 
-def _commit_snapshot(reader: ChainReader, anchors: list[AnchorEntry], deltas: list[DeltaEntry], reason: str) -> None:
-    from .writer import _now
-
-    state = reader.state
-    record = Record(
-        seq=state.last_seq + 1,
-        type="snapshot",
-        prev=state.last_checksum,
-        time=_now(),
-        writer=f"{socket.gethostname()}:{os.getpid()}",
-        reason=reason,
-        anchors=tuple(sorted(anchors, key=lambda a: a.step)),
-        deltas=tuple(deltas),
-    )
+def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[AnchorEntry], deltas: list[DeltaEntry],
+                     reason: str) -> None:
     try:
-        reader.store.create_exclusive(log_path(record.seq), record.to_bytes())
-    except FileExistsError:
-        raise ChainError(f"{reader.path}: another writer committed concurrently; nothing was changed") from None
-    except OSError as e:
-        where = f"{reader.path}/{log_path(record.seq)}"
-        raise WriterIOError(f"{where}: {e.strerror or e}; the chain is unchanged") from None
+        commit_record(reader.store, reader.path, reader.state, lock, type="snapshot", reason=reason,
+                      anchors=anchors, deltas=deltas)
+    except ChainError as e:
+        raise type(e)(f"{e}; the chain is unchanged") from None
 
 
 def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,
@@ -320,9 +314,9 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
     then re-open the chain and append from ``after + 1``.
     """
     reader = ChainReader(path, store=store)
-    lock, _ = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)
+    lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)
     try:
-        reader.refresh()
+        reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
         state = reader.state
         if after not in state.anchors and after not in state.deltas:
             raise StepNotFoundError(f"{reader.path}: step {after} is not in the chain; nothing was changed")
@@ -330,9 +324,9 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
         if removed:
             anchors = [a for s, a in state.anchors.items() if s <= after]
             keep = {s: e for s, (_, e) in state.deltas.items() if s <= after}
-            _commit_snapshot(reader, anchors, _rebuild_delta_entries(state, keep), f"truncate after {after}")
+            _commit_snapshot(reader, lock, anchors, _rebuild_delta_entries(state, keep), f"truncate after {after}")
             reader.refresh()
-        remove_unreferenced(reader.store, reader.state)
+        collect_garbage(reader.store, reader.state, lock, reader.path)
         return removed
     finally:
         lock.release()

@@ -10,6 +10,7 @@ for bit.
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import math
 from collections.abc import Iterable
@@ -19,9 +20,21 @@ import google_crc32c
 import numpy as np
 import torch
 
-from .errors import CorruptChainError, UnsupportedStateError
+from .errors import CorruptChainError, FormatError, UnsupportedStateError
 
 MAX_INLINE_TENSOR_BYTES = 1 << 20
+# Base64 text of MAX_INLINE_TENSOR_BYTES bytes (with padding): longer `$tensor` data is refused
+# while parsing, before it is decoded (spec §6.4, §21.4).
+MAX_INLINE_TENSOR_BASE64 = 4 * -(-MAX_INLINE_TENSOR_BYTES // 3)
+
+# Parse limits (spec §6.4). A reader refuses a larger file before reading it when it can.
+MAX_RECORD_BYTES = 128 << 20  # log/<seq>.json
+MAX_ROOT_BYTES = 16 << 20  # ldformat.json
+MAX_LOCK_BYTES = 64 << 10  # writer lock files
+MAX_ZARR_JSON_BYTES = 1 << 20  # zarr.json of a batch group or array (spec §10.2)
+MAX_JSON_DEPTH = 64  # arrays and objects nested in each other, the outermost counting 1
+MAX_INT_CHARS = 20  # "-9223372036854775808"
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
@@ -79,7 +92,7 @@ def encode(value: Any, where: str = "value") -> Any:
                 f"{where}: tensor of {nbytes} bytes is too large for extra state "
                 f"(limit {MAX_INLINE_TENSOR_BYTES}); store it in the model or optimizer instead"
             )
-        raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return {
             "$tensor": {
                 "dtype": dtype_name(t.dtype),
@@ -95,30 +108,214 @@ def encode(value: Any, where: str = "value") -> Any:
     )
 
 
-def decode(data: Any) -> Any:
-    """Inverse of :func:`encode`."""
+def decode(data: Any, where: str = "chain metadata") -> Any:
+    """Inverse of :func:`encode`; a malformed tagged value raises CorruptChainError naming ``where``."""
     if isinstance(data, list):
-        return [decode(v) for v in data]
+        return [decode(v, where) for v in data]
     if not isinstance(data, dict):
         return data
     if len(data) == 1:
         (key, inner), = data.items()
-        if key == "$float":
-            return float(inner)
-        if key == "$tuple":
-            return tuple(decode(v) for v in inner)
-        if key == "$items":
-            return {decode(k): decode(v) for k, v in inner}
-        if key == "$bytes":
-            return base64.b64decode(inner)
-        if key == "$tensor":
-            dtype = parse_dtype(inner["dtype"])
-            raw = bytearray(base64.b64decode(inner["data"]))
-            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-            return flat.view(dtype).reshape(inner["shape"]).clone()
+        if key in _TAGS:
+            try:
+                return _TAGS[key](inner, where)
+            except CorruptChainError:
+                raise
+            except (ValueError, TypeError, KeyError, RuntimeError, binascii.Error) as e:
+                raise CorruptChainError(f"{where}: malformed {key} value ({e}, spec §6.1)") from None
     if any(k.startswith("$") for k in data):
-        raise CorruptChainError(f"unknown tagged value {sorted(data)!r} in chain metadata")
-    return {k: decode(v) for k, v in data.items()}
+        raise CorruptChainError(f"{where}: unknown tagged value {sorted(data)!r} in chain metadata (spec §6.1)")
+    return {k: decode(v, where) for k, v in data.items()}
+
+
+def _bad(where: str, key: str, why: str) -> CorruptChainError:
+    return CorruptChainError(f"{where}: malformed {key} value ({why}, spec §6.1)")
+
+
+def _decode_float(inner: Any, where: str) -> float:
+    if inner not in ("nan", "inf", "-inf"):
+        raise _bad(where, "$float", f"{inner!r} is not 'nan', 'inf' or '-inf'")
+    return float(inner)
+
+
+def _decode_tuple(inner: Any, where: str) -> tuple[Any, ...]:
+    if not isinstance(inner, list):
+        raise _bad(where, "$tuple", "not an array")
+    return tuple(decode(v, where) for v in inner)
+
+
+def _decode_items(inner: Any, where: str) -> dict[Any, Any]:
+    if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
+        raise _bad(where, "$items", "not an array of [key, value] pairs")
+    out: dict[Any, Any] = {}
+    for k, v in inner:
+        key = decode(k, where)
+        try:
+            out[key] = decode(v, where)
+        except TypeError:
+            raise _bad(where, "$items", f"the key {k!r} is not hashable") from None
+    return out
+
+
+def _base64(text: Any, where: str, key: str, limit: int | None) -> bytes:
+    if not isinstance(text, str):
+        raise _bad(where, key, "the data is not a string")
+    if limit is not None and len(text) > 4 * -(-limit // 3):
+        raise CorruptChainError(f"{where}: a {key} value holds more than {limit} bytes of data, the limit of "
+                                "spec §21.4; the chain was not written by a conforming writer")
+    return base64.b64decode(text, validate=True)
+
+
+def _decode_bytes(inner: Any, where: str) -> bytes:
+    return _base64(inner, where, "$bytes", None)
+
+
+def _decode_tensor(inner: Any, where: str) -> torch.Tensor:
+    if not isinstance(inner, dict) or set(inner) != {"dtype", "shape", "data"}:
+        raise _bad(where, "$tensor", "not an object of dtype, shape and data")
+    raw = _base64(inner["data"], where, "$tensor", MAX_INLINE_TENSOR_BYTES)
+    if len(raw) > MAX_INLINE_TENSOR_BYTES:
+        raise CorruptChainError(f"{where}: a $tensor value holds {len(raw)} bytes of data, more than the "
+                                f"{MAX_INLINE_TENSOR_BYTES} of spec §21.4")
+    if not isinstance(inner["dtype"], str) or inner["dtype"] not in _DTYPES:
+        raise _bad(where, "$tensor", f"unknown dtype {inner['dtype']!r}")
+    dtype = _DTYPES[inner["dtype"]]
+    shape = inner["shape"]
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise _bad(where, "$tensor", f"shape {shape!r} is not a list of non-negative integers")
+    numel = span = 1
+    for d in shape:
+        numel *= d
+        span *= max(1, d)
+    width = torch.empty(0, dtype=dtype).element_size()
+    if numel * width != len(raw) or span >= 1 << 63:
+        raise _bad(where, "$tensor", f"{len(raw)} bytes of data for shape {shape} of {inner['dtype']}")
+    if dtype == torch.bool and raw.translate(None, b"\x00\x01"):
+        raise _bad(where, "$tensor", "a bool byte is not 0 or 1")
+    buf = bytearray(raw)
+    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape).clone()
+
+
+_TAGS = {"$float": _decode_float, "$tuple": _decode_tuple, "$items": _decode_items, "$bytes": _decode_bytes,
+         "$tensor": _decode_tensor}
+
+
+# -- strict parsing (spec §6.4) ------------------------------------------------------------
+class _Reject(ValueError):
+    """A rule of spec §6.4 broken inside the JSON decoder's hooks."""
+
+
+def _parse_int(text: str) -> int:
+    # Checked on the text, before converting: a 5000-digit integer never becomes an int.
+    if len(text) > MAX_INT_CHARS:
+        raise _Reject(f"an integer of {len(text)} characters (at most {MAX_INT_CHARS})")
+    value = int(text)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise _Reject(f"the integer {text} is outside the signed 64-bit range")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Reject(f"the number {text[:32]}{'...' if len(text) > 32 else ''} overflows binary64")
+    return value
+
+
+def _parse_constant(name: str) -> Any:
+    raise _Reject(f"{name} is not JSON (non-finite floats are tagged values, spec §6.1)")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Reject(f"duplicate key {key!r} in an object")
+            seen.add(key)
+    return out
+
+
+def _tagged_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = _object(pairs)
+    if len(out) == 1 and "$tensor" in out:
+        inner = out["$tensor"]
+        data = inner.get("data") if isinstance(inner, dict) else None
+        if isinstance(data, str) and len(data) > MAX_INLINE_TENSOR_BASE64:
+            raise _Reject(f"a $tensor value with {len(data)} characters of base64 data, more than the "
+                          f"{MAX_INLINE_TENSOR_BYTES} bytes a tagged tensor may hold")
+    return out
+
+
+def _check_nesting(doc: Any) -> None:
+    """Depth at most MAX_JSON_DEPTH and no unpaired surrogate in any string (iterative)."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            items: Iterable[Any] = value.values()
+            for key in value:
+                if not key.isascii():
+                    _check_text(key)
+        elif isinstance(value, list):
+            items = value
+        else:
+            if isinstance(value, str) and not value.isascii():
+                _check_text(value)
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise _Reject(f"arrays and objects nested deeper than {MAX_JSON_DEPTH} levels")
+        for item in items:
+            if isinstance(item, (dict, list)):
+                stack.append((item, depth + 1))
+            elif isinstance(item, str) and not item.isascii():
+                _check_text(item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _Reject("a string holds an unpaired UTF-16 surrogate escape") from None
+
+
+def parse_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: int, tagged: bool = True) -> Any:
+    """Parse a record, root, lock or Zarr metadata file by the rules of spec §6.4.
+
+    UTF-8 only; at most ``max_bytes`` bytes; no ``NaN``/``Infinity``; no duplicate keys;
+    integers of at most 20 characters within the signed 64-bit range; finite numbers;
+    nesting at most 64 deep; no unpaired surrogates; with ``tagged``, no ``$tensor`` with
+    more than 1 MiB of data. Anything else raises :class:`FormatError` naming ``where``.
+    """
+    size = len(data)
+    if size > max_bytes:
+        raise FormatError(f"{where}: {size} bytes, more than the {max_bytes} a reader accepts for this file "
+                          "(spec §6.4); the file is damaged or was not written by ldformat: restore it from a copy")
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FormatError(f"{where}: not UTF-8 (invalid byte at offset {e.start}, spec §6.4); the file is damaged: "
+                          "restore it from a copy") from None
+    decoder = json.JSONDecoder(object_pairs_hook=_tagged_object if tagged else _object, parse_int=_parse_int,
+                               parse_float=_parse_float, parse_constant=_parse_constant)
+    try:
+        doc = decoder.decode(text)
+        _check_nesting(doc)
+    except _Reject as e:
+        why = str(e)
+    except json.JSONDecodeError as e:
+        why = f"{e.msg} at line {e.lineno} column {e.colno}"
+    except RecursionError:
+        why = f"arrays and objects nested deeper than {MAX_JSON_DEPTH} levels"
+    except ValueError as e:  # int()/float() of a malformed number
+        why = str(e)
+    else:
+        return doc
+    raise FormatError(f"{where}: not valid JSON within the limits of spec §6.4 ({why}); the file is damaged or "
+                      "was not written by a conforming writer: restore it from a copy")
 
 
 def canonical(obj: Any) -> bytes:

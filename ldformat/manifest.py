@@ -1,9 +1,8 @@
-"""Root metadata and the commit log (spec §5 "Root metadata" and §7 "Commit log").
+"""Root metadata and commit records (spec §5 "Root metadata", §7.1-§7.3, §9.3, §10.3-§10.4).
 
-The log is a directory of immutable, exclusively created JSON records ``log/<seq>.json``.
-The visible state of a chain is the result of applying the records in sequence order,
-starting at the newest ``snapshot`` record (or at record 1). This module parses and
-validates records and folds them into a :class:`ChainState`; it does no tensor work.
+This module parses and validates the root file and records, and folds records into a
+:class:`ChainState`; it does no I/O and no tensor work. Reading them from storage, creating
+them and everything else about committing lives in :mod:`ldformat.log`.
 """
 
 from __future__ import annotations
@@ -14,22 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from .errors import CorruptChainError, NotAChainError, UnsupportedVersionError
-from .jsonvalue import canonical, verify_checksum, with_checksum
-from .stores import Store, check_relative_path
+from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, parse_json, verify_checksum, with_checksum
+from .stores import check_relative_path
 
 FORMAT_NAME = "ldformat"
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"
 FORMAT_MAJOR = 1
-ROOT_FILE = "ldformat.json"
-LOG_DIR = "log"
-LOCK_FILE = "writer.lock"
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
-_LOG_NAME = re.compile(r"^log/(\d{12})\.json$")
-
-
-def log_path(seq: int) -> str:
-    return f"{LOG_DIR}/{seq:012d}.json"
 
 
 def _check_fields(doc: dict[str, Any], known: set[str], where: str) -> None:
@@ -262,10 +253,7 @@ class Record:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Record:
-        try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptChainError(f"{where}: not valid JSON ({e.msg if hasattr(e, 'msg') else e})") from None
+        d = parse_json(data, where, max_bytes=MAX_RECORD_BYTES)
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: record is not a JSON object")
         verify_checksum(d, where)
@@ -318,10 +306,7 @@ class RootMetadata:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> RootMetadata:
-        try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CorruptChainError(f"{where}: not valid JSON") from None
+        d = parse_json(data, where, max_bytes=MAX_ROOT_BYTES)
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise NotAChainError(f"{where}: not an ldformat root metadata file")
         version = d.get("format_version")
@@ -404,84 +389,3 @@ class ChainState:
             s = entry[1].base
         chain.reverse()
         return s, chain
-
-
-def read_root(store: Store, where: str) -> RootMetadata:
-    try:
-        data = store.read(ROOT_FILE)
-    except FileNotFoundError:
-        raise NotAChainError(f"{where}: not an ldformat chain (no {ROOT_FILE}); check the path") from None
-    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        raise NotAChainError(f"{where}: cannot read {ROOT_FILE}: {e.strerror}") from None
-    return RootMetadata.from_bytes(data, f"{where}/{ROOT_FILE}")
-
-
-def log_sequence_numbers(store: Store) -> list[int]:
-    seqs = []
-    for p in store.list(LOG_DIR):
-        m = _LOG_NAME.match(p)
-        if m:
-            seqs.append(int(m.group(1)))
-    return sorted(seqs)
-
-
-def read_log(store: Store, where: str) -> tuple[list[Record], ChainState]:
-    """Read, verify and fold the log. Records before the newest snapshot are skipped.
-
-    A compaction may delete superseded records between listing and reading: re-list then.
-    """
-    for attempt in range(5):
-        try:
-            return _read_log_once(store, where)
-        except MissingLogRecord:
-            if attempt == 4:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
-    seqs = log_sequence_numbers(store)
-    records: dict[int, Record] = {}
-    # Find the newest snapshot by reading from the end; records before it are superseded.
-    start_index = 0
-    for i in range(len(seqs) - 1, -1, -1):
-        rec = _read_record(store, seqs[i], where)
-        records[seqs[i]] = rec
-        if rec.type == "snapshot":
-            start_index = i
-            break
-    used = seqs[start_index:]
-    if used and records.get(used[0]) is None:
-        records[used[0]] = _read_record(store, used[0], where)
-    if used and records[used[0]].type != "snapshot" and used[0] != 1:
-        raise CorruptChainError(f"{where}/{log_path(1)}: the log does not start at record 1 and has no snapshot")
-    state = ChainState(first_seq=used[0] if used else 1)
-    out = []
-    expected = used[0] if used else 1
-    prev: str | None = None
-    for seq in used:
-        rec = records.get(seq) or _read_record(store, seq, where)
-        if seq != expected:
-            raise CorruptChainError(f"{where}/{log_path(expected)}: commit record missing (log jumps to {seq})")
-        if rec.seq != seq:
-            raise CorruptChainError(f"{where}/{log_path(seq)}: record says seq {rec.seq}")
-        if seq != used[0] and rec.prev != prev:
-            raise CorruptChainError(f"{where}/{log_path(seq)}: prev checksum does not match record {seq - 1}")
-        state.apply(rec)
-        prev = rec.checksum
-        expected += 1
-        out.append(rec)
-    return out, state
-
-
-def _read_record(store: Store, seq: int, where: str) -> Record:
-    path = log_path(seq)
-    try:
-        data = store.read(path)
-    except FileNotFoundError:
-        raise MissingLogRecord(f"{where}/{path}: commit record vanished while reading") from None
-    return Record.from_bytes(data, f"{where}/{path}")
-
-
-class MissingLogRecord(CorruptChainError):
-    pass

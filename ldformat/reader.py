@@ -28,7 +28,8 @@ from .errors import (
     StepNotFoundError,
 )
 from .jsonvalue import object_checksum
-from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry, read_log, read_root
+from .log import read_log, read_root
+from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from .replay import Replayer
 from .stores import LocalStore, Store
 

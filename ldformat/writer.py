@@ -15,10 +15,8 @@ or runs an optimizer that modifies ``grad`` in place still records what the step
 
 from __future__ import annotations
 
-import datetime as _dt
 import os
 import secrets
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,29 +33,35 @@ from .environment import current_environment
 from .errors import (
     ChainError,
     ChainExistsError,
+    ChainLockedError,
     LdformatError,
     UnsupportedStateError,
     UsageError,
     WriterIOError,
 )
-from .garbage import remove_unreferenced
 from .jsonvalue import dtype_name, encode, object_checksum, object_checksum_parts, parse_dtype
-from .lock import WriterLock
+from .log import (
+    ROOT_FILE,
+    WriterLock,
+    anchor_object_path,
+    batch_group_path,
+    collect_garbage,
+    commit_record,
+    create_root,
+    now,
+    open_log_for_write,
+    read_root,
+)
 from .manifest import (
     FORMAT_VERSION,
     KINDS,
-    ROOT_FILE,
     AnchorEntry,
     ChainState,
     DeltaEntry,
     ObjectRef,
-    Record,
     RootMetadata,
     SlotInfo,
     StepEntry,
-    log_path,
-    read_log,
-    read_root,
 )
 from .state import (
     check_schema_matches,
@@ -111,10 +115,6 @@ class CapturedStep:
     owned: bool = True  # False: tensors are reused buffers, so the writer copies what it keeps
 
 
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
 class ChainWriter:
     """Appends steps to a chain. Use :meth:`create` or :meth:`open`, not the constructor."""
 
@@ -166,6 +166,7 @@ class ChainWriter:
         self._xor_base: dict[str, np.ndarray] = {}
         self._xor_scratch = np.empty(0, np.uint8)  # reused for every XOR delta (the largest tensor's size)
         self._failed: LdformatError | None = None
+        self._pending_root: RootMetadata | None = None  # set while a chain is being created
         self.max_batch_bytes = 1 << 30  # a batch is committed early once its rows hold this much
         self._batch_bytes = 0
         self.last_commit_seconds = 0.0  # sync + record creation of the latest commit
@@ -212,48 +213,59 @@ class ChainWriter:
             raise UsageError("kind 'grad.topk' needs compressor=ldformat.TopK(...) (the one that compresses p.grad)")
         if kind != "grad.topk" and compressor is not None:
             raise UsageError(f"kind {kind!r} takes no compressor; use kind='grad.topk' with a TopK compressor")
-        where = str(path)
-        if store is None:
-            p = Path(path)
-            if p.exists() and not p.is_dir():
-                raise UsageError(f"{where}: exists and is not a directory")
-            p.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(p.resolve().parent)  # the chain directory's own entry must be durable
-            store = LocalStore(p)
-        if store.exists(ROOT_FILE):
-            raise ChainExistsError(f"{where}: already holds a chain; use ChainWriter.open to append")
-        if [p for p in store.list("") if not p.startswith(".tmp-")]:  # leftovers of a crashed create are fine
-            raise UsageError(f"{where}: directory is not empty; create a chain in a new or empty directory")
         schema = build_schema(model, optimizer, kind, compressor)
         device = str(next(iter(optimizer_params(optimizer)), torch.empty(0)).device.type)
         environment = {**current_environment(device), "implementation": resolve_implementation(optimizer)}
         root = RootMetadata(
             format_version=FORMAT_VERSION,
             chain_id=secrets.token_hex(16),
-            created=_now(),
+            created=now(),
             kind=kind,
             schema=schema,
             environment=environment,
         )
+        where = str(path)
+        owned_dir: Path | None = None
+        if store is None:
+            p = Path(path)
+            if p.exists() and not p.is_dir():
+                raise UsageError(f"{where}: exists and is not a directory")
+            owned_dir = None if p.exists() else p
+            p.mkdir(parents=True, exist_ok=True)
+            _fsync_dir(p.resolve().parent)  # the chain directory's own entry must be durable
+            store = LocalStore(p)
+        if store.exists(ROOT_FILE):
+            raise ChainExistsError(f"{where}: already holds a chain; use ChainWriter.open to append")
+        _check_empty_or_unfinished(store, where)
         try:
-            store.create_exclusive(ROOT_FILE, root.to_bytes())
-        except FileExistsError:
-            raise ChainExistsError(f"{where}: another process created a chain here concurrently") from None
-        except OSError as e:
-            err = WriterIOError(f"{where}/{ROOT_FILE}: cannot create the chain: {e.strerror or e} (errno {e.errno})")
-            err.errno = e.errno
-            raise err from None
-        lock, _ = WriterLock.acquire(store, where)
-        writer = cls(path=where, store=store, root=root, state=ChainState(), lock=lock, model=model,
-                     optimizer=optimizer, compressor=compressor, batch_steps=batch_steps, anchor_every=anchor_every,
-                     capture_hook=capture_hook)
+            lock = WriterLock.acquire(store, where)
+        except ChainLockedError as e:
+            raise ChainLockedError(f"{e} (another process is creating a chain here)") from None
+        except BaseException:
+            _remove_creation(store, owned_dir, everything=False)
+            raise
+        try:
+            _remove_unfinished_creation(store, where, lock)
+        except BaseException:
+            lock.release()  # the directory holds something else now: touch nothing
+            raise
+        try:
+            writer = cls(path=where, store=store, root=root, state=ChainState(), lock=lock, model=model,
+                         optimizer=optimizer, compressor=compressor, batch_steps=batch_steps,
+                         anchor_every=anchor_every, capture_hook=capture_hook)
+        except BaseException:
+            _remove_creation(store, owned_dir)
+            raise
+        writer._pending_root = root  # created after record 1: a root always has a log (spec §7.4)
         try:
             writer._last_step = step
             writer._last_extra = encode(extra or {}, "extra")
             writer._reset_xor_base_from_live()
             writer.write_anchor(step)
         except BaseException:
-            writer.abort()  # release the lock and the optimizer hook: the chain can be re-opened
+            writer.abort()
+            if not store.exists(ROOT_FILE):  # a refused or failed creation leaves nothing behind
+                _remove_creation(store, owned_dir)
             raise
         return writer
 
@@ -293,10 +305,10 @@ class ChainWriter:
             )
         if root.kind == "grad.topk" and not isinstance(compressor, TopK):
             raise UsageError("this grad.topk chain needs compressor=ldformat.TopK(...)")
-        lock, _ = WriterLock.acquire(store, where, break_lock=break_lock)
+        lock = WriterLock.acquire(store, where, break_lock=break_lock)
         try:
-            _, state = read_log(store, where)
-            remove_unreferenced(store, state)
+            _, state = open_log_for_write(store, where, lock)  # fences the log after a takeover
+            collect_garbage(store, state, lock, where)
             writer = cls(path=where, store=store, root=root, state=state, lock=lock, model=model,
                          optimizer=optimizer, compressor=compressor, batch_steps=batch_steps,
                          anchor_every=anchor_every, capture_hook=capture_hook)
@@ -545,7 +557,7 @@ class ChainWriter:
         return self.commit()
 
     def _write_anchor_object(self, step: int, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any) -> None:
-        path = f"anchors/{step}-{secrets.token_hex(4)}.safetensors"
+        path = anchor_object_path(step)
         anchor = anchor_parts(tensors, step)  # streamed: the object is never joined in memory
         parts = anchor.parts
         self._io(path, self.store.write_parts, path, parts)
@@ -564,7 +576,7 @@ class ChainWriter:
         if not self._batch.rows:
             return
         first, last = self._row_steps[0].step, self._row_steps[-1].step
-        group = f"deltas/{first}-{last}-{secrets.token_hex(4)}"
+        group = batch_group_path(first, last)
         objects = self._batch.finish(len(self._slots), {"kind": self.kind, "first": first, "last": last})
         refs = []
         for key, data in sorted(objects.items()):
@@ -588,33 +600,15 @@ class ChainWriter:
         started = time.perf_counter()
         self._io(f"{len(self._written)} new objects ({', '.join(self._written[:3])}...)", self.store.sync,
                  self._written)
-        record = Record(
-            seq=self._state.last_seq + 1,
-            type="append",
-            prev=self._state.last_checksum,
-            time=_now(),
-            writer=f"{socket.gethostname()}:{os.getpid()}",
-            reason="append",
-            anchors=tuple(self._pending_anchors),
-            deltas=tuple(self._pending_deltas),
-        )
-        data = record.to_bytes()
-        record = Record.from_bytes(data, "new record")  # carries the checksum
-        path = log_path(record.seq)
-
-        def create() -> None:
-            try:
-                self.store.create_exclusive(path, data)
-            except FileExistsError:
-                raise ChainError(
-                    f"{self.path}/{path}: another writer committed this record; this writer stops "
-                    "(re-open the chain to continue)"
-                ) from None
-
-        self._io(path, create)
+        creating = self._pending_root is not None
+        self._io("the commit record", lambda: commit_record(
+            self.store, self.path, self._state, self._lock, type="append", reason="create" if creating else "append",
+            anchors=self._pending_anchors, deltas=self._pending_deltas))
+        if self._pending_root is not None:
+            self._io(ROOT_FILE, create_root, self.store, self._pending_root, self.path)
+            self._pending_root = None
         self.last_commit_seconds = time.perf_counter() - started
         self.commits += 1
-        self._state.apply(record)
         self._pending_anchors, self._pending_deltas, self._written = [], [], []
         return self.durable_step
 
@@ -628,7 +622,7 @@ class ChainWriter:
         """The newest recorded step (committed or not)."""
         return self._last_step
 
-    def _io(self, what: str, fn: Callable[..., None], *args: Any) -> None:
+    def _io(self, what: str, fn: Callable[..., object], *args: Any) -> None:
         """Run a storage call; a failure poisons the writer with a clear error."""
         try:
             fn(*args)
@@ -685,6 +679,54 @@ class ChainWriter:
             self.close()
         else:
             self.abort()
+
+
+def _unfinished_creation_leftovers(store: Store) -> list[str] | None:
+    """The objects of a creation that never created the root, or None if ``store`` holds more.
+
+    Creation writes the anchor of step 0, record 1 and last the root (spec §7.4), so a
+    directory without a root whose log holds at most record 1, with at most one anchor and no
+    batch, is an unfinished creation. Anything else is refused: it may be someone's data.
+    """
+    paths = store.list("")
+    rest = [p for p in paths if not p.startswith((".tmp-", "lock/"))]
+    records = [p for p in rest if p.startswith("log/") and not p.split("/")[-1].startswith(".tmp-")]
+    anchors = [p for p in rest if p.startswith("anchors/")]
+    other = [p for p in rest if not p.startswith(("log/", "anchors/"))]
+    if other or len(anchors) > 1 or records not in ([], ["log/000000000001.json"]):
+        return None
+    return rest
+
+
+def _check_empty_or_unfinished(store: Store, where: str) -> None:
+    if _unfinished_creation_leftovers(store) is None:
+        raise UsageError(f"{where}: directory is not empty; create a chain in a new or empty directory")
+
+
+def _remove_unfinished_creation(store: Store, where: str, lock: WriterLock) -> None:
+    """Holding the lock, remove what a crashed creation left (re-checked under the lock)."""
+    leftovers = _unfinished_creation_leftovers(store)
+    if leftovers is None or store.exists(ROOT_FILE):
+        raise UsageError(f"{where}: directory is not empty; create a chain in a new or empty directory")
+    lock.check()
+    for p in leftovers + [p for p in store.list("") if p.startswith(".tmp-")]:
+        store.delete(p)
+
+
+def _remove_creation(store: Store, owned_dir: Path | None, *, everything: bool = True) -> None:
+    """Undo a creation that failed before its root existed: nothing is left on disk.
+
+    Only the lock holder removes files (``everything``); without the lock only a directory
+    this call created, if it is still empty, is removed.
+    """
+    try:
+        if everything:
+            for p in store.list(""):
+                store.delete(p)
+        if owned_dir is not None:
+            owned_dir.rmdir()
+    except OSError:
+        pass  # best effort: what is left is an unfinished creation, which create() reclaims
 
 
 def _fsync_dir(path: Path) -> None:

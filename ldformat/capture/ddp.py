@@ -1,10 +1,14 @@
-"""Top-k compression as a DDP communication hook (LowDiff; spec §20.5).
+"""Data-parallel ``lowdiff``: the top-k comm hook and every rank's residuals (spec §20.5, §14.1).
 
 Each rank selects the top-k entries of every parameter's gradient (with its own
 per-parameter residual, not per bucket: DDP rebuilds its buckets after the first
 iteration), all ranks all-gather the (index, value) pairs, and every rank rebuilds the same
 dense average. The union of the gathered indices is what the optimizer consumes: it is
 handed to the :class:`~ldformat.TopK` so that a ``grad.topk`` chain records exactly that.
+
+The residuals stay per rank. At every anchor step rank 0's :class:`~ldformat.Checkpointer`
+and a :class:`ResidualPeer` on every other rank join one all-gather of them
+(:func:`gather_residuals`), and rank 0 writes rank ``r``'s as ``compressor@<r>/<name>``.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
@@ -14,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ..topk import TopK
+from .hooks import call_after
+from .tuning import positive_interval
 
 
 class TopKCommState:
@@ -25,7 +31,7 @@ class TopKCommState:
         process_group: defaults to the world.
     """
 
-    def __init__(self, topk: TopK, model: torch.nn.Module, process_group: Any = None) -> None:
+    def __init__(self, topk: TopK, model: torch.nn.Module, process_group: dist.ProcessGroup | None = None) -> None:
         self.topk = topk
         self.process_group = process_group
         self.names = {id(p): name for name, p in model.named_parameters()}
@@ -73,3 +79,77 @@ def topk_comm_hook(state: TopKCommState, bucket: dist.GradBucket) -> torch.futur
         return out
 
     return torch.futures.collect_all([f_idx, f_val]).then(decompress)
+
+
+def world_size(group: dist.ProcessGroup | None) -> int:
+    """The ranks of ``group``; 1 when ``torch.distributed`` is not initialized."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def gather_residuals(topk: TopK, names: list[str], group: dist.ProcessGroup | None) -> dict[int, dict[str, torch.Tensor]]:
+    """All-gather every rank's top-k residuals (a collective: every rank must call it)."""
+    world = dist.get_world_size(group)
+    out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world)}
+    for name in dict.fromkeys(names):
+        residual = topk.residuals.get(name)
+        if residual is None:
+            continue
+        parts = [torch.empty_like(residual) for _ in range(world)]
+        dist.all_gather(parts, residual.contiguous(), group=group)
+        for r, t in enumerate(parts):
+            out[r][name] = t.to("cpu", copy=True)
+    return out
+
+
+def peer_residual_tensors(topk: TopK, names: list[str], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Rank 0's side of :func:`gather_residuals`: the other ranks' residuals as anchor tensors."""
+    tensors: dict[str, torch.Tensor] = {}
+    for r, residuals in gather_residuals(topk, names, group).items():
+        if r > 0:
+            tensors.update({f"compressor@{r}/{n}": t for n, t in residuals.items()})
+    return tensors
+
+
+class ResidualPeer:
+    """On ranks other than 0: hand this rank's top-k residuals to rank 0's anchors.
+
+    Rank 0 runs a :class:`~ldformat.Checkpointer` (mode ``lowdiff``, an integer
+    ``anchor_every``); every other rank runs a ResidualPeer with the same ``anchor_every``
+    and start ``step``, so that both sides join the same all-gather at every anchor step.
+    Given the GradScaler, it counts one step per ``scaler.update()``, skipped steps
+    included, as the Checkpointer does.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK, *, anchor_every: int,
+                 model: torch.nn.Module, step: int = 0, process_group: dist.ProcessGroup | None = None,
+                 scaler: torch.amp.GradScaler | None = None) -> None:
+        self.compressor = compressor
+        self.anchor_every = positive_interval(anchor_every, "anchor_every")
+        self.step = step
+        self.process_group = process_group
+        by_id: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), name)
+        self._names = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        self._last_anchor = step
+        self._handle = optimizer.register_step_post_hook(self._post_hook)
+        self._scaler = scaler
+        self._unwrap = call_after(scaler, "update", self._count_step) if scaler is not None else None
+
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        if self._scaler is None:
+            self._count_step()
+
+    def _count_step(self) -> None:
+        self.step += 1
+        if self.step - self._last_anchor >= self.anchor_every:
+            gather_residuals(self.compressor, self._names, self.process_group)
+            self._last_anchor = self.step
+
+    def close(self) -> None:
+        self._handle.remove()
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None

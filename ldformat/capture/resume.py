@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..errors import StepNotFoundError
-from ..manifest import ROOT_FILE
+from ..log import ROOT_FILE
 from ..reader import ChainReader
 from ..stores import Store
 from ..topk import TopK
@@ -33,9 +33,9 @@ def resume(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
-    scheduler: Any = None,
-    scaler: Any = None,
-    sampler: Any = None,
+    scheduler: Stateful | None = None,
+    scaler: Stateful | None = None,
+    sampler: Stateful | None = None,
     compressor: TopK | None = None,
     exact: bool = False,
     step: int | None = None,
@@ -60,8 +60,7 @@ def resume(
     Pass the returned step to ``Checkpointer(..., step=step)`` so that steps after it are
     truncated and re-recorded by the resumed run.
     """
-    exists = store.exists(ROOT_FILE) if store is not None else (Path(path) / ROOT_FILE).exists()
-    if not exists:
+    if not _holds_chain(path, store):
         return 0
     reader = ChainReader(path, store=store)
     if reader.latest_step is None:
@@ -86,3 +85,53 @@ def resume(
     if "rng" in extra:
         restore_rng(extra["rng"])
     return step
+
+
+def open_writer(
+    path: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    kind: Kind,
+    mode: str,
+    step: int | None,
+    compressor: TopK | None,
+    batch_steps: int,
+    store: Store | None,
+    first_extra: Callable[[], dict[str, object]],
+) -> ChainWriter:
+    """The writer a :class:`~ldformat.Checkpointer` appends with (capture hook off).
+
+    Creates the chain (its first anchor is the live state at ``step or 0``, with
+    ``first_extra()`` as extra state), or re-opens it: the chain must have ``kind`` (the
+    one ``mode`` writes); steps after ``step`` are truncated; ``compressor`` receives the
+    residuals of ``step``'s anchor, or restarts from zero (with a warning) when the step
+    holds none.
+    """
+    if not _holds_chain(path, store):
+        return ChainWriter.create(path, model, optimizer, kind=kind, step=step or 0, extra=first_extra(),
+                                  compressor=compressor, batch_steps=batch_steps, store=store, capture_hook=False)
+    reader = ChainReader(path, store=store)
+    if reader.kind != kind:
+        raise UsageError(f"{path}: the chain has kind {reader.kind}; mode {mode!r} writes {kind}")
+    latest = reader.latest_step
+    target = latest if step is None else step
+    if latest is not None and target is not None and target != latest:
+        if target not in reader.steps:
+            raise UsageError(f"{path}: step {target} is not in the chain; resume from one of its steps")
+        from ..compact import truncate
+
+        log.warning("%s: truncating steps after %d: training resumes from there", path, target)
+        truncate(path, target, store=store)
+    if compressor is not None and target is not None:
+        tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
+        residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
+        if residuals:
+            compressor.load_residuals(residuals)
+        else:
+            log.warning("%s: step %s holds no top-k residuals (a delta step or a compaction anchor): they "
+                        "restart from zero; resume from a writer's anchor for an exact continuation",
+                        path, target)
+            compressor.load_residuals({})
+    return ChainWriter.open(path, model, optimizer, compressor=compressor, batch_steps=batch_steps, store=store,
+                            capture_hook=False)

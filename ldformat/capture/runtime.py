@@ -37,7 +37,8 @@ import torch
 
 from ..errors import LdformatError, UnsupportedStateError, UsageError
 from ..jsonvalue import encode
-from ..manifest import ROOT_FILE, SlotInfo, StepEntry
+from ..log import ROOT_FILE
+from ..manifest import SlotInfo, StepEntry
 from ..reader import ChainReader
 from ..replay import Replayer
 from ..state import encode_param_groups

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from collections.abc import Iterable, Sequence
@@ -113,7 +114,14 @@ class LocalStore(Store):
             finally:
                 os.close(fd)
             # link() fails with EEXIST where rename() would silently replace.
-            os.link(tmp, target)
+            try:
+                os.link(tmp, target)
+            except FileNotFoundError:
+                # Our temporary file was removed as garbage: that only happens once the name
+                # it was for is settled, i.e. exists. Report what link() would have.
+                if target.exists():
+                    raise FileExistsError(errno.EEXIST, "File exists", str(target)) from None
+                raise
         finally:
             try:
                 os.unlink(tmp)

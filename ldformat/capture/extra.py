@@ -1,0 +1,52 @@
+"""The ``extra`` object the capture runtime writes with every step (spec §19.1 "The `extra` object").
+
+The RNG states (§19.2) come from :mod:`.rng`, the sampler position (§19.4) from the
+sampler; :mod:`.resume` reads them back (§19.5).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Protocol
+
+
+class Stateful(Protocol):
+    """A training object whose state is captured: a scheduler, a GradScaler, a sampler."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+def loop_extra(
+    *,
+    rng: dict[str, Any],
+    scheduler: Stateful | None,
+    scaler: Stateful | None,
+    data: dict[str, Any] | None,
+    policy: dict[str, object],
+    user: dict[str, object],
+) -> dict[str, object]:
+    """The extra state of one step as Python values: copies, not live objects.
+
+    Args:
+        rng: the RNG states (:func:`~ldformat.capture.rng.capture_rng`).
+        scheduler, scaler: captured with their ``state_dict()`` when given.
+        data: the sampler's ``state_dict()``, or ``None`` without a sampler.
+        policy: the anchor interval and batch size in force (and the policy's inputs).
+        user: the user's own dict (left out when empty).
+
+    Returns:
+        A dict for :func:`ldformat.jsonvalue.encode` (which the background writer runs).
+    """
+    extra: dict[str, object] = {"rng": rng}
+    if scheduler is not None:
+        extra["scheduler"] = copy.deepcopy(scheduler.state_dict())
+    if scaler is not None:
+        extra["scaler"] = scaler.state_dict()
+    if data is not None:
+        extra["data"] = data
+    extra["policy"] = policy
+    if user:
+        extra["user"] = copy.deepcopy(user)
+    return extra

@@ -1,0 +1,165 @@
+"""The anchor interval and batch size in force, measured and retuned (spec §20.6 "Anchor interval and batch size").
+
+:mod:`.policy` holds the wasted-time model; this module feeds it while the runtime runs. It
+keeps what the runtime measured (:class:`CaptureStats`, including the stall of section 20.3
+"Pipeline"), chooses ``"auto"`` values once, after :data:`POLICY_WARMUP_STEPS` step
+intervals, and doubles both values when the training thread stalls more than ``max_stall``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ..errors import UsageError
+from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps
+
+if TYPE_CHECKING:
+    from ..writer import ChainWriter
+
+log = logging.getLogger("ldformat.capture")
+
+DEFAULT_ANCHOR_EVERY = 100  # in force until the policy has run
+DEFAULT_BATCH_STEPS = 4
+POLICY_WARMUP_STEPS = 8
+ASSUMED_ANCHOR_BYTES_PER_S = 200e6  # anchor write speed until one is measured (conservative)
+ASSUMED_COMMIT_S = 0.005  # commit cost until one is measured
+MEDIAN_OF_STEPS = 50  # the policy reads medians over this many of the latest steps
+MAX_AUTO_BATCH_STEPS = 256
+
+Interval = int | Literal["auto"]
+
+
+@dataclass
+class CaptureStats:
+    """What the runtime measured. Times in seconds."""
+
+    steps: int = 0
+    stall_s: float = 0.0  # training thread inside ldformat: hooks, copies, back-pressure
+    backpressure_s: float = 0.0  # part of stall_s spent waiting for a free buffer set
+    background_cpu_s: float = 0.0  # CPU time of the background writer thread
+    background_wall_s: float = 0.0
+    commits: int = 0
+    anchors_written: int = 0
+    # The most recent per-step measurements (bounded: the policy reads the last 50).
+    step_times: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    optimizer_times: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    stalls: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    policy: dict[str, object] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "steps": self.steps,
+            "stall_s": self.stall_s,
+            "backpressure_s": self.backpressure_s,
+            "background_cpu_s": self.background_cpu_s,
+            "background_wall_s": self.background_wall_s,
+            "commits": self.commits,
+            "anchors_written": self.anchors_written,
+            "policy": self.policy,
+        }
+
+
+def positive_interval(value: object, name: str) -> int:
+    """``value`` as a positive integer, else :class:`UsageError` naming ``name``."""
+    if not isinstance(value, int) or value < 1:
+        raise UsageError(f"{name} must be a positive integer or 'auto', got {value!r}")
+    return value
+
+
+class Tuning:
+    """``anchor_every`` and ``batch_steps`` in force, and the measurements that move them.
+
+    Args:
+        anchor_every, batch_steps: in steps, or ``"auto"``.
+        stats: the runtime's measurements (step times, stall); :meth:`after_step` records
+            the policy it chose in ``stats.policy``.
+        max_stall: the stall fraction the adaptive tuner keeps.
+        mtbf_s: mean time between failures, in seconds.
+        max_batch_bytes: an automatic ``batch_steps`` keeps a batch's captured bytes under it.
+    """
+
+    def __init__(self, anchor_every: Interval, batch_steps: Interval, *, stats: CaptureStats, max_stall: float,
+                 mtbf_s: float, max_batch_bytes: int) -> None:
+        self.auto_anchor = anchor_every == "auto"
+        self.auto_batch = batch_steps == "auto"
+        self.anchor_every = DEFAULT_ANCHOR_EVERY if self.auto_anchor else positive_interval(anchor_every,
+                                                                                            "anchor_every")
+        self.batch_steps = DEFAULT_BATCH_STEPS if self.auto_batch else positive_interval(batch_steps, "batch_steps")
+        self.stats = stats
+        self.tuner = AdaptiveTuner(max_stall=max_stall)
+        self.mtbf_s = mtbf_s
+        self.max_batch_bytes = max_batch_bytes
+        self.anchor_write_s: float | None = None  # the latest anchor write (and commit), once measured
+        self._chosen = False
+        self._stall_accounted = 0.0
+
+    def extra(self) -> dict[str, object]:
+        """The ``policy`` entry of a step's extra state (spec §19.1)."""
+        policy: dict[str, object] = {"anchor_every": self.anchor_every, "batch_steps": self.batch_steps}
+        inputs = self.stats.policy.get("inputs")
+        if isinstance(inputs, dict):  # the measurements the wasted-time model used
+            policy["inputs"] = dict(inputs)
+        return policy
+
+    def inputs(self, writer: ChainWriter) -> PolicyInputs | None:
+        """The measurements the policy uses, once enough steps were seen."""
+        if len(self.stats.step_times) < POLICY_WARMUP_STEPS or not self.stats.optimizer_times:
+            return None
+        anchor_write = self.anchor_write_s
+        if anchor_write is None:
+            nbytes = sum(t.numel() * t.element_size() for t in writer.live_state_tensors().values())
+            anchor_write = nbytes / ASSUMED_ANCHOR_BYTES_PER_S
+        return PolicyInputs(
+            step_time_s=statistics.median(list(self.stats.step_times)[-MEDIAN_OF_STEPS:]),
+            anchor_write_s=anchor_write,
+            replay_step_s=statistics.median(list(self.stats.optimizer_times)[-MEDIAN_OF_STEPS:]),
+            commit_s=writer.last_commit_seconds or ASSUMED_COMMIT_S,
+            mtbf_s=self.mtbf_s,
+        )
+
+    def after_step(self, writer: ChainWriter, step_bytes: int) -> None:
+        """Account the step just queued (``step_bytes`` captured); choose or widen the values."""
+        if self.stats.step_times:
+            stall = self.stats.stall_s - self._stall_accounted
+            self._stall_accounted = self.stats.stall_s
+            self.stats.stalls.append(stall)
+            self.tuner.observe(stall, self.stats.step_times[-1])
+        if not self._chosen and (self.auto_anchor or self.auto_batch):
+            inputs = self.inputs(writer)
+            if inputs is not None:
+                self._chosen = True
+                self._choose(writer, inputs, step_bytes)
+        if self.tuner.due():
+            self._widen_on_stall(writer)
+
+    def _choose(self, writer: ChainWriter, inputs: PolicyInputs, step_bytes: int) -> None:
+        if self.auto_anchor:
+            self.anchor_every = optimal_anchor_every(inputs)
+        if self.auto_batch:
+            upper = max(1, min(MAX_AUTO_BATCH_STEPS, self.max_batch_bytes // (step_bytes or 1)))
+            self.batch_steps = optimal_batch_steps(inputs, upper=upper)
+            writer.batch_steps = self.batch_steps
+        self.stats.policy = {"inputs": inputs.to_dict(), "anchor_every": self.anchor_every,
+                             "batch_steps": self.batch_steps}
+        log.info(
+            "ldformat policy for %s: anchor_every=%d batch_steps=%d (step %.3fs, anchor write %.3fs, "
+            "replay %.4fs/step, commit %.4fs, MTBF %.1fh)", writer.path, self.anchor_every, self.batch_steps,
+            inputs.step_time_s, inputs.anchor_write_s, inputs.replay_step_s, inputs.commit_s,
+            inputs.mtbf_s / 3600)
+
+    def _widen_on_stall(self, writer: ChainWriter) -> None:
+        anchor_every, batch_steps, fraction = self.tuner.adjust(self.anchor_every, self.batch_steps)
+        self.stats.policy["last_stall_fraction"] = fraction
+        # Explicit values are kept (ranks of data-parallel lowdiff rely on anchor_every).
+        anchor_every = anchor_every if self.auto_anchor else self.anchor_every
+        batch_steps = batch_steps if self.auto_batch else self.batch_steps
+        if (anchor_every, batch_steps) != (self.anchor_every, self.batch_steps):
+            log.info("ldformat: stall %.1f%% > %.1f%%: anchor_every %d -> %d, batch_steps %d -> %d",
+                     100 * fraction, 100 * self.tuner.max_stall, self.anchor_every, anchor_every,
+                     self.batch_steps, batch_steps)
+            self.anchor_every, self.batch_steps = anchor_every, batch_steps
+            writer.batch_steps = batch_steps

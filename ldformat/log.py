@@ -1,0 +1,536 @@
+"""The commit path (spec §5 "Root metadata", §7 "Commit log and commit protocol", §15 "Writer lock").
+
+Everything that decides what a chain *is* lives here, and every other module goes through it:
+
+- the root file (:func:`read_root`, :func:`create_root`);
+- folding the log from the newest snapshot (:func:`read_log`);
+- creating a commit record exclusively (:func:`commit_record`), fenced by the lock generation;
+- object names (:func:`anchor_object_path`, :func:`batch_group_path`);
+- the writer lock as a sequence of exclusively created generations (:class:`WriterLock`);
+- garbage removal (:func:`collect_garbage`), which never deletes what a newer record may use.
+
+The protocol needs only *create exclusively*, *read*, *list* and *delete* from storage: no
+rename, no shared clock, and pids only to tell a dead local writer from a live one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from .errors import (
+    ChainError,
+    ChainLockedError,
+    CorruptChainError,
+    FormatError,
+    LockLostError,
+    NotAChainError,
+    WriterIOError,
+)
+from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, parse_json
+from .manifest import AnchorEntry, ChainState, DeltaEntry, Record, RootMetadata
+from .stores import Store
+
+ROOT_FILE = "ldformat.json"
+LOG_DIR = "log"
+LOCK_DIR = "lock"
+LEGACY_LOCK_FILE = "writer.lock"  # format 1.0 writers' lock (spec §15.5)
+_LOG_NAME = re.compile(r"^log/(\d{12})\.json$")
+_LOCK_NAME = re.compile(r"^lock/(\d{12})\.json$")
+_TMP_NAME = re.compile(r"^\.tmp-(.+)-[0-9a-f]+$")
+#: Folds attempted before a record that keeps vanishing is reported (spec §7.3).
+FOLD_ATTEMPTS = 5
+
+RecordType = Literal["append", "snapshot"]
+
+
+def now() -> str:
+    """The current UTC time as spec §5.4 writes it (millisecond precision, ``Z``)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def writer_name() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+# -- names ---------------------------------------------------------------------------------
+def log_path(seq: int) -> str:
+    return f"{LOG_DIR}/{seq:012d}.json"
+
+
+def lock_path(generation: int) -> str:
+    return f"{LOCK_DIR}/{generation:012d}.json"
+
+
+def anchor_object_path(step: int) -> str:
+    """A fresh name for the anchor of ``step`` (spec §4.1)."""
+    return f"anchors/{step}-{secrets.token_hex(4)}.safetensors"
+
+
+def batch_group_path(first: int, last: int) -> str:
+    """A fresh name for a batch holding steps ``first``..``last`` (spec §4.1)."""
+    return f"deltas/{first}-{last}-{secrets.token_hex(4)}"
+
+
+def _numbered(store: Store, prefix: str, pattern: re.Pattern[str]) -> list[int]:
+    out = []
+    for p in store.list(prefix):
+        m = pattern.match(p)
+        if m:
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def log_sequence_numbers(store: Store) -> list[int]:
+    return _numbered(store, LOG_DIR, _LOG_NAME)
+
+
+def _read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
+    """Read a metadata file, refusing one larger than ``limit`` before reading it (spec §6.4)."""
+    size = store.size(path)
+    if size > limit:
+        raise FormatError(f"{where}: {size} bytes, more than the {limit} a reader accepts (spec §6.4)")
+    data = store.read(path)
+    if len(data) > limit:
+        raise FormatError(f"{where}: grew past {limit} bytes while being read")
+    return data
+
+
+# -- root ----------------------------------------------------------------------------------
+def read_root(store: Store, where: str) -> RootMetadata:
+    try:
+        data = _read_bounded(store, ROOT_FILE, MAX_ROOT_BYTES, f"{where}/{ROOT_FILE}")
+    except FileNotFoundError:
+        raise NotAChainError(f"{where}: not an ldformat chain (no {ROOT_FILE}); check the path") from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise NotAChainError(f"{where}: cannot read {ROOT_FILE}: {e.strerror}") from None
+    return RootMetadata.from_bytes(data, f"{where}/{ROOT_FILE}")
+
+
+def create_root(store: Store, root: RootMetadata, where: str) -> None:
+    """Create the root file exclusively: the last act of creating a chain (spec §7.4)."""
+    try:
+        store.create_exclusive(ROOT_FILE, root.to_bytes())
+    except FileExistsError:
+        from .errors import ChainExistsError
+
+        raise ChainExistsError(f"{where}: another process created a chain here concurrently") from None
+    except OSError as e:
+        raise _io_error(f"{where}/{ROOT_FILE}: cannot create the chain", e) from None
+
+
+def _io_error(what: str, e: OSError) -> WriterIOError:
+    err = WriterIOError(f"{what}: {e.strerror or e} (errno {e.errno})")
+    err.errno = e.errno
+    return err
+
+
+# -- folding the log -------------------------------------------------------------------------
+class MissingLogRecord(CorruptChainError):
+    """A listed record vanished before it was read (a compaction removed it); fold again."""
+
+
+def read_log(store: Store, where: str) -> tuple[list[Record], ChainState]:
+    """Read, verify and fold the log from its newest snapshot (spec §7.3).
+
+    A chain without any record is corrupt: its log was lost, or its creation never finished.
+    A compaction may delete superseded records between listing and reading: re-list then.
+    """
+    for attempt in range(FOLD_ATTEMPTS):
+        try:
+            return _read_log_once(store, where)
+        except MissingLogRecord:
+            if attempt == FOLD_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
+    seqs = log_sequence_numbers(store)
+    if not seqs:
+        raise CorruptChainError(
+            f"{where}/{LOG_DIR}: the chain has no commit record (the log is missing or empty, "
+            "or the chain's creation never finished); nothing in it is readable. Restore log/ "
+            "from a copy, or delete the chain and start a new one"
+        )
+    records: dict[int, Record] = {}
+    # Find the newest snapshot by reading from the end; records before it are superseded.
+    start_index = 0
+    for i in range(len(seqs) - 1, -1, -1):
+        rec = read_record(store, seqs[i], where)
+        records[seqs[i]] = rec
+        if rec.type == "snapshot":
+            start_index = i
+            break
+    used = seqs[start_index:]
+    if records[used[0]].type != "snapshot" and used[0] != 1:
+        raise CorruptChainError(f"{where}/{log_path(1)}: the log does not start at record 1 and has no snapshot")
+    state = ChainState(first_seq=used[0])
+    out = []
+    prev: str | None = None
+    for expected, seq in enumerate(used, start=used[0]):
+        if seq != expected:
+            raise CorruptChainError(f"{where}/{log_path(expected)}: commit record missing (log jumps to {seq})")
+        rec = records[seq]
+        if rec.seq != seq:
+            raise CorruptChainError(f"{where}/{log_path(seq)}: record says seq {rec.seq}")
+        if seq != used[0] and rec.prev != prev:
+            raise CorruptChainError(f"{where}/{log_path(seq)}: prev checksum does not match record {seq - 1}")
+        state.apply(rec)
+        prev = rec.checksum
+        out.append(rec)
+    return out, state
+
+
+def read_record(store: Store, seq: int, where: str) -> Record:
+    path = log_path(seq)
+    try:
+        data = _read_bounded(store, path, MAX_RECORD_BYTES, f"{where}/{path}")
+    except FileNotFoundError:
+        raise MissingLogRecord(f"{where}/{path}: commit record vanished while reading") from None
+    return Record.from_bytes(data, f"{where}/{path}")
+
+
+# -- the writer lock ------------------------------------------------------------------------
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()  # field 22: start time in clock ticks since boot
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    current = _start_time(pid)
+    return start is None or current is None or current == start
+
+
+@dataclass(frozen=True)
+class LockOwner:
+    """What a lock generation says (spec §15.1). ``state`` is ``held`` or ``released``."""
+
+    generation: int
+    state: Literal["held", "released"]
+    host: str | None
+    pid: int | None
+    start_time: str | None
+    token: str
+
+    @classmethod
+    def parse(cls, data: bytes, generation: int, where: str) -> LockOwner | None:
+        """The owner, or None if the file is not a well-formed lock (such a lock is stale)."""
+        try:
+            d = parse_json(data, where, max_bytes=MAX_LOCK_BYTES)
+        except FormatError:
+            return None
+        if not isinstance(d, dict) or d.get("generation") != generation or not isinstance(d.get("token"), str):
+            return None
+        state = d.get("state")
+        if state == "released":
+            return cls(generation, "released", None, None, None, d["token"])
+        host, pid, start = d.get("host"), d.get("pid"), d.get("start_time")
+        if (
+            state != "held"
+            or not isinstance(host, str)
+            or not isinstance(pid, int)
+            or isinstance(pid, bool)
+            or not 0 < pid < 2**31
+            or not (start is None or isinstance(start, str))
+        ):
+            return None
+        return cls(generation, "held", host, pid, start, d["token"])
+
+    def describe(self) -> str:
+        return f"host {self.host}, pid {self.pid}, lock generation {self.generation}"
+
+
+class WriterLock:
+    """The right to commit, compact, truncate and delete (spec §15).
+
+    The lock is a sequence of generations ``lock/<generation>.json``, each created
+    exclusively. The newest generation is the lock's state: *held* by a writer, or
+    *released*. Taking the lock creates the next generation, so of any number of processes
+    taking over the same stale lock exactly one succeeds. A writer checks before each commit
+    and before deleting anything that no newer generation exists; a takeover of a held lock
+    also commits a fence record (:func:`fence`), so a writer that lost its lock can never
+    commit again: its next record number already exists.
+    """
+
+    def __init__(self, store: Store, where: str, owner: LockOwner, previous: LockOwner | None,
+                 took_over: bool) -> None:
+        self.store = store
+        self.where = where
+        self.owner = owner
+        self.previous = previous
+        #: True if the previous generation was held (a dead or broken writer), so the log
+        #: must be fenced before anything is deleted.
+        self.took_over = took_over
+        self.released = False
+
+    @property
+    def generation(self) -> int:
+        return self.owner.generation
+
+    @classmethod
+    def acquire(cls, store: Store, where: str, *, break_lock: bool = False) -> WriterLock:
+        """Take the lock, or raise :class:`ChainLockedError` naming the live holder."""
+        _refuse_live_legacy_lock(store, where, break_lock)
+        for _ in range(8):
+            generations = _numbered(store, LOCK_DIR, _LOCK_NAME)
+            current: LockOwner | None = None
+            if generations:
+                g = generations[-1]
+                try:
+                    current = _read_lock(store, g, where)
+                except FileNotFoundError:
+                    continue  # a stale listing; look again
+                if current.state == "held" and _live(current) and not break_lock:
+                    raise ChainLockedError(
+                        f"{where}: the chain is locked by a running writer ({current.describe()}); "
+                        "close it first, or break the lock if that writer is known to be gone"
+                    )
+            generation = (generations[-1] if generations else 0) + 1
+            owner = LockOwner(generation, "held", socket.gethostname(), os.getpid(), _start_time(os.getpid()),
+                              secrets.token_hex(8))
+            try:
+                store.create_exclusive(lock_path(generation), _lock_bytes(owner))
+            except FileExistsError:
+                continue  # another process took this generation: look at who holds it now
+            except OSError as e:
+                raise _io_error(f"{where}/{lock_path(generation)}: cannot take the writer lock", e) from None
+            took_over = current is not None and current.state == "held"
+            return cls(store, where, owner, current, took_over)
+        raise ChainLockedError(f"{where}: could not take the writer lock (other processes keep taking it); retry")
+
+    def check(self) -> None:
+        """Raise :class:`LockLostError` if another process took the lock over since."""
+        if self.released:
+            raise LockLostError(f"{self.where}: this writer released its lock")
+        try:
+            newer = self.store.exists(lock_path(self.generation + 1))
+        except OSError as e:
+            raise _io_error(f"{self.where}/{lock_path(self.generation + 1)}: cannot check the writer lock", e) from None
+        if newer:
+            raise LockLostError(
+                f"{self.where}: another process took over this writer's lock (generation "
+                f"{self.generation} is superseded); this writer stops and deletes nothing. "
+                "Re-open the chain to continue"
+            )
+
+    def release(self) -> None:
+        """Release by creating the next generation as ``released`` (if still the holder)."""
+        if self.released:
+            return
+        self.released = True
+        marker = LockOwner(self.generation + 1, "released", None, None, None, self.owner.token)
+        try:
+            self.store.create_exclusive(lock_path(marker.generation), _lock_bytes(marker))
+        except FileExistsError:
+            pass  # taken over meanwhile: nothing of ours to release
+        except OSError:
+            pass  # the lock stays held by this (soon dead) process: the next writer takes it over
+
+
+def _read_lock(store: Store, generation: int, where: str) -> LockOwner:
+    """Generation ``generation`` of the lock; an unparseable one is held by nobody alive (§15.2)."""
+    path = lock_path(generation)
+    try:
+        data = _read_bounded(store, path, MAX_LOCK_BYTES, f"{where}/{path}")
+    except FormatError:
+        data = b""
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise _io_error(f"{where}/{path}: cannot read the writer lock", e) from None
+    owner = LockOwner.parse(data, generation, f"{where}/{path}")
+    return owner if owner is not None else LockOwner(generation, "held", None, None, None, "")
+
+
+def _lock_bytes(owner: LockOwner) -> bytes:
+    import json
+
+    d: dict[str, object] = {"generation": owner.generation, "state": owner.state, "token": owner.token}
+    if owner.state == "held":
+        d.update(host=owner.host, pid=owner.pid, start_time=owner.start_time, since=time.time())
+    return json.dumps(d, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def _live(owner: LockOwner) -> bool:
+    """Whether a held lock's writer may still run: on another host we cannot tell, so yes."""
+    if owner.host is None or owner.pid is None:
+        return False  # unparseable: stale by definition (spec §15.2)
+    if owner.host != socket.gethostname():
+        return True
+    return _alive(owner.pid, owner.start_time)
+
+
+def _refuse_live_legacy_lock(store: Store, where: str, break_lock: bool) -> None:
+    """A format 1.0 writer locks with ``writer.lock``; refuse while one of those runs."""
+    try:
+        data = store.read(LEGACY_LOCK_FILE)
+    except (FileNotFoundError, IsADirectoryError):
+        return
+    except OSError as e:
+        raise _io_error(f"{where}/{LEGACY_LOCK_FILE}: cannot read the writer lock", e) from None
+    import json
+
+    try:
+        d = json.loads(data[:MAX_LOCK_BYTES])
+    except ValueError:
+        return
+    if not isinstance(d, dict):
+        return
+    pid, host, start = d.get("pid"), d.get("host"), d.get("start_time")
+    if (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 2**31 and isinstance(host, str)
+            and (start is None or isinstance(start, str)) and not break_lock):
+        owner = LockOwner(0, "held", host, pid, start, "")
+        if _live(owner):
+            raise ChainLockedError(
+                f"{where}: the chain is locked by a running format 1.0 writer (host {host}, pid {pid}); "
+                "close it first, or break the lock if that writer is known to be gone"
+            )
+
+
+def current_lock(store: Store, where: str = "") -> LockOwner | None:
+    """The holder of the lock, or None if it is free (released, or never taken)."""
+    generations = _numbered(store, LOCK_DIR, _LOCK_NAME)
+    if not generations:
+        return None
+    try:
+        owner = _read_lock(store, generations[-1], where)
+    except FileNotFoundError:
+        return None
+    return owner if owner.state == "held" else None
+
+
+# -- committing ------------------------------------------------------------------------------
+def commit_record(
+    store: Store,
+    where: str,
+    state: ChainState,
+    lock: WriterLock | None,
+    *,
+    type: RecordType,
+    reason: str,
+    anchors: Sequence[AnchorEntry] = (),
+    deltas: Sequence[DeltaEntry] = (),
+) -> Record:
+    """Create the next record exclusively and fold it into ``state`` (spec §7.4 steps 3-5).
+
+    The data objects it references must already be durable. ``lock`` is None only while a
+    chain is being created (the creator holds generation 1 and nobody can see the chain yet).
+    """
+    if lock is not None:
+        lock.check()
+    record = Record(
+        seq=state.last_seq + 1,
+        type=type,
+        prev=state.last_checksum,
+        time=now(),
+        writer=writer_name(),
+        reason=reason,
+        anchors=tuple(sorted(anchors, key=lambda a: a.step)) if type == "snapshot" else tuple(anchors),
+        deltas=tuple(deltas),
+    )
+    data = record.to_bytes()
+    path = log_path(record.seq)
+    if len(data) > MAX_RECORD_BYTES:
+        raise ChainError(
+            f"{where}/{path}: the record would be {len(data)} bytes, more than the {MAX_RECORD_BYTES} readers "
+            "accept (spec §6.4); commit fewer steps per record, or compact with keep_last to shorten the chain"
+        )
+    try:
+        store.create_exclusive(path, data)
+    except FileExistsError:
+        raise LockLostError(
+            f"{where}/{path}: another writer committed this record; this writer stops and deletes "
+            "nothing (re-open the chain to continue)"
+        ) from None
+    except OSError as e:
+        raise _io_error(f"{where}/{path}: cannot create the commit record; the chain is unchanged", e) from None
+    record = Record.from_bytes(data, f"{where}/{path}")  # carries the checksum
+    state.apply(record)
+    return record
+
+
+def fence(store: Store, where: str, state: ChainState, lock: WriterLock) -> None:
+    """After taking over a held lock, commit an empty record so that the old holder, should it
+    still run, can never commit again (its next record number now exists). Spec §15.3."""
+    if lock.took_over:
+        commit_record(store, where, state, lock, type="append", reason="takeover")
+
+
+def open_log_for_write(store: Store, where: str, lock: WriterLock) -> tuple[list[Record], ChainState]:
+    """Fold the log as the new lock holder, fencing it if the lock was taken over."""
+    records, state = read_log(store, where)
+    if lock.took_over:
+        fence(store, where, state, lock)
+        records, state = read_log(store, where)
+    return records, state
+
+
+# -- garbage ----------------------------------------------------------------------------------
+def garbage(store: Store, state: ChainState, lock: WriterLock | None = None) -> list[str]:
+    """Paths that no record at or before ``state.last_seq`` references and no live writer uses.
+
+    Temporary files are garbage only when their exclusive create is settled: a record's below
+    the next sequence number, a lock generation's below ours, the root's once the root exists.
+    """
+    referenced = state.referenced_objects()
+    out = [p for prefix in ("anchors", "deltas") for p in store.list(prefix) if p not in referenced]
+    for p in store.list(LOG_DIR):
+        name = p.split("/", 1)[1]
+        m = _TMP_NAME.match(name)
+        if m and (seq := _seq_of(m.group(1))) is not None and seq <= state.last_seq:
+            out.append(p)
+    if lock is not None:
+        for p in store.list(LOCK_DIR):
+            name = p.split("/", 1)[1]
+            m = _TMP_NAME.match(name)
+            g = _seq_of(m.group(1)) if m else _seq_of(name)
+            if g is not None and g < lock.generation:
+                out.append(p)
+        if store.exists(LEGACY_LOCK_FILE):
+            out.append(LEGACY_LOCK_FILE)
+    if store.exists(ROOT_FILE):
+        out += [p for p in store.list("") if "/" not in p and p.startswith(f".tmp-{ROOT_FILE}-")]
+    out += [log_path(s) for s in log_sequence_numbers(store) if s < state.first_seq]
+    return out
+
+
+def _seq_of(name: str) -> int | None:
+    m = re.fullmatch(r"(\d{12})\.json", name)
+    return int(m.group(1)) if m else None
+
+
+def collect_garbage(store: Store, state: ChainState, lock: WriterLock, where: str) -> list[str]:
+    """Delete :func:`garbage`, as the lock holder. Spec §7.5.
+
+    The generation is checked after listing: an object a newer writer wrote before that
+    listing implies a newer generation, which the check sees; one written after it is not in
+    the list. So nothing a newer record may reference is deleted.
+    """
+    paths = garbage(store, state, lock)
+    lock.check()
+    for p in paths:
+        try:
+            store.delete(p)
+        except OSError as e:
+            raise _io_error(f"{where}/{p}: cannot remove garbage", e) from None
+    return paths
