@@ -20,7 +20,6 @@ tensors are writable (replay updates them in place) and do not overlap.
 
 from __future__ import annotations
 
-import json
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import CorruptChainError, UnsupportedStateError
-from .jsonvalue import canonical
+from .errors import CorruptChainError, FormatError, UnsupportedStateError
+from .jsonvalue import canonical, parse_json
 
 # safetensors dtype codes of the format's dtypes (spec §5.6.4).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -145,19 +144,10 @@ def _parse_header(data: bytes | bytearray | memoryview | np.ndarray,
     if not raw.startswith(b"{"):
         raise bad("the header does not start with '{'")
 
-    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out = dict(pairs)
-        if len(out) != len(pairs):
-            raise ValueError("duplicate key")
-        return out
-
-    def no_constant(name: str) -> Any:
-        raise ValueError(f"{name} is not JSON")
-
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise bad(f"header is not JSON: {exc}") from None
+    try:  # the JSON rules of records (spec §6.4): no duplicate names, no NaN, bounded numbers and depth
+        header = parse_json(raw, "header", max_bytes=MAX_HEADER_BYTES, tagged=False)
+    except FormatError as exc:
+        raise bad(str(exc)) from None
     if not isinstance(header, dict):
         raise bad("the header is not a JSON object")
     meta = header.pop(METADATA_KEY, {})
@@ -176,6 +166,12 @@ def _parse_header(data: bytes | bytearray | memoryview | np.ndarray,
             raise bad(f"{name}: dtype {dtype!r} is not one of format 1.0")
         if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
             raise bad(f"{name}: shape {shape!r} is not a list of non-negative integers")
+        span = 1
+        for d in shape:
+            span *= max(1, d)
+        if span >= 1 << 63:  # torch cannot hold it, even with no element
+            raise bad(f"{name}: shape {shape!r} is too large (the product of its non-zero dimensions is 2^63 "
+                      "or more)")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_uint(o) for o in offsets):
             raise bad(f"{name}: data_offsets {offsets!r} is not two non-negative integers")
         entries[name] = _Entry(dtype, tuple(shape), offsets[0], offsets[1])

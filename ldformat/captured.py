@@ -11,6 +11,7 @@ the training loop's side; appending it (XOR, encoding, commits) may run elsewher
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from .delta import SIGNED_NP, tensor_bits
-from .errors import UsageError
+from .errors import UnsupportedStateError, UsageError
 from .jsonvalue import dtype_name, parse_dtype
 from .manifest import Kind
 from .topk import TopK
@@ -128,6 +129,23 @@ def capture_gradients(
             grads[f"grad/{i}"] = CapturedTensor.of(copy(f"grad/{i}", g.detach() if inv_scale is None
                                                         else g.detach() * inv_scale))
     return grads
+
+
+def inverse_scale(grad_scale: torch.Tensor | None) -> float | None:
+    """``1/grad_scale``: what unscales the gradients a fused optimizer gets from GradScaler (spec §20.2).
+
+    Multiplying by it is exact only for a power-of-two scale, so any other is refused.
+    """
+    if grad_scale is None:
+        return None
+    scale = float(grad_scale)
+    mantissa, _ = math.frexp(scale)
+    if mantissa != 0.5:
+        raise UnsupportedStateError(
+            f"GradScaler scale {scale} is not a power of two; exact capture needs power-of-two scales "
+            "(the default init_scale, growth_factor and backoff_factor are)"
+        )
+    return 1.0 / scale
 
 
 def capture_tensors(tensors: Mapping[str, torch.Tensor], copy: CopyToHost = copy_to_host) -> dict[str, CapturedTensor]:

@@ -21,6 +21,7 @@ from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .jsonvalue import object_checksum_parts
 from .log import (
+    LOCK_DIR,
     WriterLock,
     anchor_object_path,
     batch_group_path,
@@ -129,10 +130,12 @@ def compact(
 
 
 def _remove_garbage(reader: ChainReader, lock: WriterLock | None) -> list[str]:
-    """Garbage, deleted unless this is a dry run (``lock`` None)."""
+    """Garbage, deleted unless this is a dry run (``lock`` None); lock generations not listed."""
     if lock is None:
-        return garbage(reader.store, reader.state)
-    return collect_garbage(reader.store, reader.state, lock, reader.path)
+        removed = garbage(reader.store, reader.state)
+    else:
+        removed = collect_garbage(reader.store, reader.state, lock, reader.path)
+    return [p for p in removed if not p.startswith(LOCK_DIR + "/")]
 
 
 def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | None, keep_last: int | None,

@@ -15,8 +15,9 @@ codec chain with ``crc32c``.
 
 from __future__ import annotations
 
-import json
+import struct
 import warnings
+import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,12 +27,13 @@ import google_crc32c
 import numpy as np
 import torch
 import zarr
-from numcodecs import Blosc
+from numcodecs import Blosc, Zstd
 from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from .errors import CorruptChainError
+from .jsonvalue import MAX_ZARR_JSON_BYTES, parse_json
 from .manifest import SlotInfo
 from .state import bits_view
 
@@ -229,8 +231,14 @@ class DecodedBatch:
         return {self.slots[j].name: seg for j, seg in self.segments[r].items()}
 
 
-def _slot_widths(slots: tuple[SlotInfo, ...]) -> np.ndarray:
-    return np.array([torch.empty(0, dtype=_torch_dtype(s.dtype)).element_size() for s in slots], dtype=np.int64)
+def _slot_widths(slots: tuple[SlotInfo, ...], where: str = "batch") -> np.ndarray:
+    widths = []
+    for s in slots:
+        dtype = _NP_DTYPES.get(s.dtype) if isinstance(s.dtype, str) else None
+        if dtype is None:
+            raise CorruptChainError(f"{where}: slot {s.name} has dtype {s.dtype!r}, not one of spec §5.6.4")
+        widths.append(np.dtype(dtype).itemsize)
+    return np.array(widths, dtype=np.int64)
 
 
 def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int, stop: int) -> dict[str, range]:
@@ -245,11 +253,144 @@ def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int,
     return out
 
 
+# -- slot bounds (spec §10.3) ---------------------------------------------------------------
+_NP_DTYPES: dict[str, Any] = {"bool": np.uint8, "uint8": np.uint8, "int8": np.int8, "int16": np.int16,
+                              "int32": np.int32, "int64": np.int64, "float16": np.float16, "bfloat16": np.uint16,
+                              "float32": np.float32, "float64": np.float64}
+# Counts entries of one batch: rows x slots, so `counts` holds at most 128 MiB (spec §10.1).
+MAX_COUNTS = 1 << 24
+# Indices are stored as uint32 gaps, and every index is below 2^32 (spec §10.1).
+MAX_SPARSE_INDEX = 1 << 32
+# Per array, the elements all rows of a batch hold together (a sanity bound: 2^48 elements).
+_MAX_ARRAY_ELEMENTS = 1 << 48
+_KIND_SLOTS = {
+    "grad.topk": {"grad": "sparse", "model": "dense"},
+    "grad.dense": {"grad": "dense", "model": "dense"},
+    "state.xor": {"model": "xor", "optimizer": "xor"},
+}
+
+
+def _index(text: str) -> int | None:
+    """A parameter index written in decimal without leading zeros, else None."""
+    if not text.isascii() or not text.isdigit() or (len(text) > 1 and text[0] == "0") or len(text) > 19:
+        return None
+    return int(text)
+
+
+def _schema_tables(schema: Any) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[str], int]:
+    """(stored model entries by name: (dtype, shape), optimizer params, total parameter numel) of a root schema."""
+    where = "the chain's schema (ldformat.json)"
+    model = schema.get("model") if isinstance(schema, dict) else None
+    optimizer = schema.get("optimizer") if isinstance(schema, dict) else None
+    params = optimizer.get("params") if isinstance(optimizer, dict) else None
+    if not isinstance(model, list) or not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        raise CorruptChainError(f"{where}: schema.model or schema.optimizer.params is malformed (spec §5.6)")
+    entries: dict[str, tuple[str, tuple[int, ...]]] = {}
+    total = 0
+    for e in model:
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            raise CorruptChainError(f"{where}: a schema.model entry is malformed (spec §5.6.1)")
+        if e.get("alias_of") is not None:
+            continue
+        shape, dtype = e.get("shape"), e.get("dtype")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape) or not _shape_ok(tuple(shape)):
+            raise CorruptChainError(f"{where}: schema.model entry {e['name']!r} has a malformed shape {shape!r}")
+        if dtype not in _NP_DTYPES:
+            raise CorruptChainError(f"{where}: schema.model entry {e['name']!r} has dtype {dtype!r}, "
+                                    "not one of spec §5.6.4")
+        entries[e["name"]] = (dtype, tuple(shape))
+        if e.get("role") == "parameter":
+            total += _numel(tuple(shape))
+    for p in params:
+        if p not in entries:
+            raise CorruptChainError(f"{where}: schema.optimizer.params names {p!r}, which is not a stored "
+                                    "schema.model entry (spec §5.6.2)")
+    return entries, params, total
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _shape_ok(shape: tuple[int, ...]) -> bool:
+    """A shape torch can hold: the product of max(1, d) over the dimensions is below 2^63."""
+    span = 1
+    for d in shape:
+        span *= max(1, d)
+    return span < 1 << 63
+
+
+def check_slots(slots: tuple[SlotInfo, ...], schema: Any, kind: str, where: str) -> None:
+    """Check a batch's slots against the chain's schema before anything of the batch is decoded (spec §10.3).
+
+    Names are unique and in the namespaces of ``kind``, with its encoding; dtypes are those of
+    spec §5.6.4; ``grad/<i>`` has exactly the dtype and shape of parameter ``i``, ``model/<key>``
+    those of its schema entry, and an ``optimizer/<i>/<key>`` slot holds at most as many
+    elements as all parameters of the schema together. Raises CorruptChainError naming the slot.
+    """
+    model, params, total = _schema_tables(schema)
+    allowed = _KIND_SLOTS.get(kind)
+    if allowed is None:
+        raise CorruptChainError(f"{where}: unknown delta kind {kind!r}")
+    seen: set[str] = set()
+    for slot in slots:
+        name = slot.name
+        bad = f"{where}: slot {name!r}"
+        if name in seen:
+            raise CorruptChainError(f"{bad} appears twice in the batch (spec §10.3)")
+        seen.add(name)
+        if slot.dtype not in _NP_DTYPES:
+            raise CorruptChainError(f"{bad} has dtype {slot.dtype!r}, not one of spec §5.6.4")
+        space, _, rest = name.partition("/")
+        encoding = allowed.get(space)
+        if encoding is None or not rest:
+            raise CorruptChainError(f"{bad} is not a slot name a {kind} chain uses (spec §10.3, §11)")
+        if slot.encoding != encoding:
+            raise CorruptChainError(f"{bad} has encoding {slot.encoding!r}; a {kind} chain stores it as "
+                                    f"{encoding!r} (spec §11)")
+        if space == "grad":
+            i = _index(rest)
+            if i is None or i >= len(params):
+                raise CorruptChainError(f"{bad} names no optimizer parameter (the chain has {len(params)})")
+            expected: tuple[str, tuple[int, ...]] | None = model[params[i]]
+        elif space == "model":
+            expected = model.get(rest)
+            if expected is None:
+                raise CorruptChainError(f"{bad} names no stored schema.model entry (spec §8)")
+        else:
+            i_text, _, key = rest.partition("/")
+            i = _index(i_text)
+            if i is None or i >= len(params) or not key:
+                raise CorruptChainError(f"{bad} names no optimizer parameter (the chain has {len(params)})")
+            expected = None
+            if not _shape_ok(slot.shape) or slot.numel > max(1, total):
+                raise CorruptChainError(f"{bad} has shape {list(slot.shape)}: more elements than the "
+                                        f"{max(1, total)} of all the schema's parameters together (spec §10.3)")
+        if expected is not None and (slot.dtype, slot.shape) != expected:
+            raise CorruptChainError(f"{bad} is {slot.dtype} {list(slot.shape)}; the schema says {expected[0]} "
+                                    f"{list(expected[1])} (spec §10.3)")
+
+
 # -- decoding -----------------------------------------------------------------------------
-# Arrays in the codec chain 1.0 writers use (bytes -> blosc -> crc32c) are decoded directly:
-# each chunk's crc32c is checked, then numcodecs decompresses it (without the GIL, so chunks
-# decode in parallel). Anything else goes through zarr, which supports every Zarr v3 codec.
+# Every array's metadata is checked against `rows`, the slots and (once `counts` is decoded)
+# the counts before any chunk of it is decompressed, and every chunk's declared decompressed
+# size against the size its chunk shape gives (spec §10.2, §10.5). Arrays in the codec chain
+# 1.0 writers use (bytes -> blosc -> crc32c) are then decoded directly: each chunk's crc32c is
+# checked, then numcodecs decompresses it (without the GIL, so chunks decode in parallel).
+# Other chains of the codecs whose output size can be bounded go through zarr.
+_ARRAY_DTYPES = {"counts": "int64", "indices": "uint32", "values_u8": "uint8", "values_u16": "uint16",
+                 "values_u32": "uint32", "values_u64": "uint64"}
 _PROFILE_DTYPES = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "<u8", "int64": "<i8"}
+# Codecs the zarr path accepts: each one's output size can be checked before or while decoding.
+_BOUNDED_CODECS = {"bytes", "transpose", "crc32c", "blosc", "gzip", "zstd"}
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
 
 
 @dataclass
@@ -258,42 +399,74 @@ class _ProfileArray:
     dtype: np.dtype
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
+    codecs: list[dict[str, Any]]
+    profile: bool = True
 
     @property
     def grid(self) -> tuple[int, ...]:
         return tuple(-(-s // c) for s, c in zip(self.shape, self.chunks, strict=True))
 
+    @property
+    def chunk_bytes(self) -> int:
+        return _numel(self.chunks) * self.dtype.itemsize
+
     @classmethod
-    def parse(cls, name: str, raw: bytes | np.ndarray) -> _ProfileArray | None:
-        """The array, if its metadata uses the 1.0 codec chain and a simple chunk layout."""
-        try:
-            meta = json.loads(bytes(raw))
-            grid, keys, codecs = meta["chunk_grid"], meta["chunk_key_encoding"], meta["codecs"]
-            dtype = _PROFILE_DTYPES.get(meta["data_type"])
-            shape = tuple(int(s) for s in meta["shape"])
-            chunks = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
-            ok = (meta["zarr_format"] == 3 and meta["node_type"] == "array" and dtype is not None
-                  and grid["name"] == "regular" and keys["name"] == "default"
-                  and keys.get("configuration", {}).get("separator", "/") == "/"
-                  and not meta.get("storage_transformers")
-                  and [c["name"] for c in codecs] == ["bytes", "blosc", "crc32c"]
-                  and codecs[0].get("configuration", {}).get("endian", "little") == "little"
-                  and len(shape) == len(chunks) and all(c > 0 for c in chunks) and all(s >= 0 for s in shape))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return None  # let zarr parse (and reject) it
-        if not ok or not (len(shape) == 1 or all(s <= c for s, c in zip(shape, chunks, strict=True))):
-            return None  # N-D arrays of more than one chunk: zarr
-        return cls(name, np.dtype(dtype), shape, chunks)
+    def parse(cls, name: str, raw: bytes | np.ndarray, where: str) -> _ProfileArray:
+        """The array's metadata, strictly parsed and checked for the array ``name`` (spec §10.2)."""
+        key = f"{name}/zarr.json"
+        meta = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
+                          f"{where}/{key}", max_bytes=MAX_ZARR_JSON_BYTES, tagged=False)
+
+        def bad(why: str) -> CorruptChainError:
+            return CorruptChainError(f"{where}/{key}: {why} (spec §10.2)")
+
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+            raise bad("not Zarr v3 array metadata")
+        if meta.get("data_type") != _ARRAY_DTYPES[name]:
+            raise bad(f"data_type {meta.get('data_type')!r}; {name} is {_ARRAY_DTYPES[name]}")
+        grid, keys, codecs = meta.get("chunk_grid"), meta.get("chunk_key_encoding"), meta.get("codecs")
+        shape = meta.get("shape")
+        conf = grid.get("configuration") if isinstance(grid, dict) else None
+        chunks = conf.get("chunk_shape") if isinstance(conf, dict) else None
+        if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(chunks, list):
+            raise bad("the chunk grid is not a regular grid")
+        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+            raise bad(f"shape {shape!r} is not a list of non-negative integers")
+        if len(chunks) != len(shape) or not all(_is_count(c) and 1 <= c <= max(1, s)
+                                                for c, s in zip(chunks, shape, strict=False)):
+            raise bad(f"chunk shape {chunks!r} does not fit shape {shape}: every chunk dimension is at least 1 "
+                      "and at most the array's dimension (or 1)")
+        if len(shape) != (2 if name == "counts" else 1):
+            raise bad(f"{name} has {len(shape)} dimensions")
+        if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                                   for c in codecs):
+            raise bad("malformed codecs")
+        names = [c["name"] for c in codecs]
+        unknown = sorted(set(names) - _BOUNDED_CODECS)
+        if unknown or names.count("bytes") != 1 or any(n == "transpose" for n in names[names.index("bytes"):]):
+            raise bad(f"codec chain {names}: this reader decodes only bytes, transpose, crc32c, blosc, gzip and "
+                      "zstd, whose decompressed sizes it can check before decompressing")
+        shape_t, chunks_t = tuple(shape), tuple(chunks)
+        bytes_conf = codecs[0].get("configuration") or {}
+        key_conf = (keys.get("configuration") or {}) if isinstance(keys, dict) else {}
+        profile = (names == ["bytes", "blosc", "crc32c"] and isinstance(bytes_conf, dict)
+                   and bytes_conf.get("endian", "little") == "little"
+                   and isinstance(keys, dict) and keys.get("name") == "default"
+                   and isinstance(key_conf, dict) and key_conf.get("separator", "/") == "/"
+                   and not meta.get("storage_transformers")
+                   and (len(shape_t) == 1 or all(s <= c for s, c in zip(shape_t, chunks_t, strict=True))))
+        return cls(name, np.dtype(_PROFILE_DTYPES[_ARRAY_DTYPES[name]]), shape_t, chunks_t, codecs, profile)
 
     def decode_chunk(self, data: bytes | np.ndarray, key: str, where: str) -> np.ndarray:
         buf = np.frombuffer(data, np.uint8)
         if buf.shape[0] < 4 or google_crc32c.extend(0, buf[:-4]) != int.from_bytes(buf[-4:].tobytes(), "little"):
             raise CorruptChainError(f"{where}: chunk {key} fails its crc32c codec check")
+        n = _numel(self.chunks)
+        _check_blosc_frame(buf[:-4], n * self.dtype.itemsize, key, where)
         try:
             raw = _BLOSC.decode(buf[:-4])
         except Exception as e:
             raise CorruptChainError(f"{where}: chunk {key} does not decompress ({e})") from None
-        n = int(np.prod(self.chunks))
         if len(raw) != n * self.dtype.itemsize:
             raise CorruptChainError(f"{where}: chunk {key} holds {len(raw)} bytes, expected {n * self.dtype.itemsize}")
         return np.frombuffer(raw, self.dtype).reshape(self.chunks)
@@ -327,27 +500,105 @@ class _ProfileArray:
 
 
 _BLOSC = Blosc()  # decoding reads the codec settings from each chunk's blosc header
+_BLOSC_HEADER = struct.Struct("<BBBBIII")  # version, versionlz, flags, typesize, nbytes, blocksize, cbytes
+
+
+def _check_blosc_frame(frame: bytes | np.ndarray, expected: int, key: str, where: str, *, exact: bool = True) -> None:
+    """The blosc frame header against the size the chunk must decompress to, before decompressing it."""
+    if len(frame) < _BLOSC_HEADER.size:
+        raise CorruptChainError(f"{where}: chunk {key} is not a blosc frame (shorter than its 16-byte header)")
+    head = frame[: _BLOSC_HEADER.size]
+    _, _, _, typesize, nbytes, blocksize, cbytes = _BLOSC_HEADER.unpack(
+        head.tobytes() if isinstance(head, np.ndarray) else bytes(head))
+    if nbytes != expected if exact else nbytes > expected:
+        raise CorruptChainError(f"{where}: chunk {key} declares {nbytes} decompressed bytes; its chunk shape gives "
+                                f"{expected} (spec §10.2); refused before decompressing")
+    if cbytes != len(frame) or typesize < 1 or blocksize > max(1, nbytes):
+        raise CorruptChainError(f"{where}: chunk {key} has a malformed blosc header (compressed size {cbytes} of "
+                                f"{len(frame)} bytes, typesize {typesize}, blocksize {blocksize})")
+
+
+def _zstd_content_size(frame: bytes) -> int | None:
+    """The Frame_Content_Size of a zstd frame's header (RFC 8878), or None if the header lacks it."""
+    if len(frame) < 6 or frame[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    fhd = frame[4]
+    single = (fhd >> 5) & 1
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3]
+    size = (1 if single else 0, 2, 4, 8)[fhd >> 6]
+    if size == 0 or len(frame) < pos + size:
+        return None
+    return int.from_bytes(frame[pos : pos + size], "little") + (256 if size == 2 else 0)
+
+
+def _check_bounded(array: _ProfileArray, data: bytes | np.ndarray, key: str, where: str) -> None:
+    """Undo the bytes-to-bytes codecs of a chunk with every output bounded (zarr path; spec §10.2).
+
+    The innermost output must be exactly the chunk's size, every other at most twice that plus
+    4 KiB; zarr decodes the chunk again afterwards, knowing it is within bounds.
+    """
+    names = [c["name"] for c in array.codecs]
+    chain = array.codecs[names.index("bytes") + 1 :]
+    expected = array.chunk_bytes
+    buf = np.asarray(data, np.uint8).tobytes() if isinstance(data, np.ndarray) else bytes(data)
+    for i, codec in enumerate(reversed(chain)):
+        last = i == len(chain) - 1
+        limit = expected if last else 2 * expected + 4096
+        name = codec["name"]
+        try:
+            if name == "crc32c":
+                if len(buf) < 4 or google_crc32c.value(buf[:-4]) != int.from_bytes(buf[-4:], "little"):
+                    raise CorruptChainError(f"{where}: chunk {key} fails its crc32c codec check")
+                buf = buf[:-4]
+            elif name == "blosc":
+                _check_blosc_frame(buf, limit, key, where, exact=last)
+                buf = bytes(_BLOSC.decode(buf))
+            elif name == "gzip":
+                d = zlib.decompressobj(wbits=31)
+                out = d.decompress(buf, limit + 1)
+                if len(out) > limit or not d.eof or d.unused_data or d.unconsumed_tail:
+                    raise CorruptChainError(f"{where}: chunk {key} is not one gzip member of at most {limit} "
+                                            "decompressed bytes (spec §10.2); refused")
+                buf = out
+            elif name == "zstd":
+                size = _zstd_content_size(buf)
+                if size is None or size > limit:
+                    raise CorruptChainError(f"{where}: chunk {key} is a zstd frame without a content size of at "
+                                            f"most {limit} bytes (spec §10.2); refused before decompressing")
+                buf = bytes(Zstd().decode(buf))
+        except CorruptChainError:
+            raise
+        except Exception as e:
+            raise CorruptChainError(f"{where}: chunk {key} does not decompress ({name}: {e})") from None
+    if len(buf) != expected:
+        raise CorruptChainError(f"{where}: chunk {key} holds {len(buf)} bytes, expected {expected}")
+
+
+def _array_metadata(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, _ProfileArray]:
+    """Every array of the group, its metadata strictly parsed and checked (spec §10.2)."""
+    if "zarr.json" not in objects:
+        raise CorruptChainError(f"{where}: the group metadata zarr.json is not listed (spec §10.2)")
+    raw = objects["zarr.json"]
+    group = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
+                       f"{where}/zarr.json", max_bytes=MAX_ZARR_JSON_BYTES, tagged=False)
+    if not isinstance(group, dict) or group.get("zarr_format") != 3 or group.get("node_type") != "group":
+        raise CorruptChainError(f"{where}/zarr.json: not Zarr v3 group metadata (spec §10.2)")
+    arrays = {}
+    for key in objects:
+        parts = key.split("/")
+        if parts[-1] != "zarr.json" or len(parts) == 1:
+            continue
+        if len(parts) != 2 or parts[0] not in _ARRAY_DTYPES:
+            raise CorruptChainError(f"{where}: {key} is not the metadata of a batch array (a batch holds only "
+                                    f"{', '.join(_ARRAY_DTYPES)}; spec §10.1)")
+        arrays[parts[0]] = _ProfileArray.parse(parts[0], objects[key], where)
+    return arrays
 
 
 def _profile_arrays(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, _ProfileArray] | None:
     """Every array of the group, if all use the 1.0 codec chain (else None: decode with zarr)."""
-    try:
-        group = json.loads(bytes(objects["zarr.json"]))
-        if group.get("zarr_format") != 3 or group.get("node_type") != "group":
-            return None
-    except (KeyError, ValueError, AttributeError):
-        return None
-    arrays = {}
-    for key in objects:
-        parts = key.split("/")
-        if len(parts) == 2 and parts[1] == "zarr.json":
-            array = _ProfileArray.parse(parts[0], objects[key])
-            if array is None:
-                return None
-            arrays[parts[0]] = array
-        elif len(parts) > 2 and parts[-1] == "zarr.json":
-            return None  # nested groups are not in the format: let zarr decide
-    return arrays
+    arrays = _array_metadata(objects, where)
+    return arrays if all(a.profile for a in arrays.values()) else None
 
 
 def decode_batch(
@@ -357,12 +608,31 @@ def decode_batch(
     """Decode the rows ``wanted`` (default: all) of one group.
 
     ``objects`` maps every listed key to its verified bytes; it may be lazy: only the
-    metadata, ``counts`` and the chunks holding the wanted rows are looked up.
+    metadata, ``counts`` and the chunks holding the wanted rows are looked up. Nothing is
+    decompressed before the metadata is checked against ``rows`` and the slots, and no values
+    chunk before every count is checked against its slot (spec §10.5), so decoding some rows
+    and decoding all of them agree on those rows, or fail alike on everything but the
+    content of the other rows' chunks.
     """
     wanted = range(rows) if wanted is None else wanted
+    if wanted.step != 1 or not 0 <= wanted.start <= wanted.stop <= rows:
+        raise CorruptChainError(f"{where}: rows {wanted.start}..{wanted.stop - 1} are not rows of a batch of {rows}")
+    _slot_widths(slots, where)
+    if rows * max(1, len(slots)) > MAX_COUNTS:
+        raise CorruptChainError(f"{where}: {rows} rows of {len(slots)} slots exceed the {MAX_COUNTS} counts a batch "
+                                "may have (spec §10.1)")
+    metadata = _array_metadata(objects, where)
+    counts_meta = metadata.get("counts")
+    if counts_meta is None:
+        raise CorruptChainError(f"{where}: counts array missing")
+    if counts_meta.shape != (rows, len(slots)):
+        raise CorruptChainError(f"{where}: counts has shape {list(counts_meta.shape)}, expected [{rows}, "
+                                f"{len(slots)}] (spec §10.5)")
+    for name, array in metadata.items():
+        _check_listed(name, array.grid, objects, where)
     arrays = _profile_arrays(objects, where)
     if arrays is None:
-        counts, data = _decode_with_zarr(objects, slots, rows, where, wanted)
+        counts, data = _decode_with_zarr(objects, metadata, slots, rows, where, wanted)
     else:
         counts, data = _decode_profile(arrays, objects, slots, rows, where, wanted)
     return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
@@ -370,6 +640,9 @@ def decode_batch(
 
 def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, Any], where: str) -> None:
     # Zarr would read an unlisted (missing) chunk as fill value: refuse it (spec §10.2).
+    if _numel(grid) > len(objects):  # before enumerating a grid a hostile shape makes huge
+        raise CorruptChainError(f"{where}: {name} has {_numel(grid)} chunks; the commit record lists {len(objects)} "
+                                "objects in all")
     for coords in np.ndindex(*grid):
         key = f"{name}/c/" + "/".join(map(str, coords))
         if key not in objects:
@@ -377,25 +650,50 @@ def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, Any], 
 
 
 def _check_counts(counts: np.ndarray, rows: int, slots: tuple[SlotInfo, ...], where: str) -> None:
+    """Every count against its slot, in every row, before any values chunk is read (spec §10.5)."""
     if counts.shape != (rows, len(slots)) or counts.dtype != np.int64:
         raise CorruptChainError(f"{where}: counts array missing or of the wrong shape")
+    if not counts.size:
+        return
+    cap = 1 << 62
+    numel = np.array([min(s.numel, cap) for s in slots], dtype=np.int64)
+    sparse = np.array([s.encoding == "sparse" for s in slots], dtype=bool)
+    limit = np.where(sparse, np.minimum(numel, MAX_SPARSE_INDEX), numel)
+    bad = (counts < -1) | (counts > limit) | (~sparse & (counts >= 0) & (counts != numel))
+    if bad.any():
+        r, j = (int(x) for x in np.argwhere(bad)[0])
+        slot = slots[j]
+        rule = (f"at most {int(limit[j])} for a sparse slot" if sparse[j]
+                else f"-1 or {slot.numel} for a {slot.encoding} slot")
+        raise CorruptChainError(f"{where}: counts of {slot.name} (row {r}) is {int(counts[r, j])}; it must be {rule} "
+                                f"of shape {list(slot.shape)} (spec §10.5)")
 
 
-def _check_span(name: str, span: range, length: int, wanted: range, where: str) -> None:
-    if span.stop > length:
-        raise CorruptChainError(f"{where}: the segments of rows {wanted.start}..{wanted.stop - 1} run past the end "
-                                f"of {name}")
+def _check_lengths(metadata: Mapping[str, _ProfileArray], counts: np.ndarray, slots: tuple[SlotInfo, ...],
+                   where: str) -> None:
+    """Each 1-D array holds exactly the elements the counts of all rows give (spec §10.5)."""
+    present = np.maximum(counts, 0)
+    widths = _slot_widths(slots, where)
+    sparse = np.array([s.encoding == "sparse" for s in slots], dtype=bool)
+    for name, columns in [(f"values_u{w * 8}", widths == w) for w in WIDTH_DTYPES] + [("indices", sparse)]:
+        part = present[:, columns] if len(slots) else np.zeros((0, 0), np.int64)
+        if float(part.sum(dtype=np.float64)) > _MAX_ARRAY_ELEMENTS:
+            raise CorruptChainError(f"{where}: the counts give {name} more than 2^48 elements")
+        total = int(part.sum())
+        array = metadata.get(name)
+        length = 0 if array is None else array.shape[0]
+        if length != total:
+            raise CorruptChainError(
+                f"{where}: {name} has {length if array is not None else 'no'} elements; the counts of the batch give "
+                f"{total} (spec §10.5)")
 
 
 def _decode_profile(arrays: dict[str, _ProfileArray], objects: Mapping[str, bytes | np.ndarray],
                     slots: tuple[SlotInfo, ...], rows: int, where: str,
                     wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    for name, array in arrays.items():
-        _check_listed(name, array.grid, objects, where)
-    if "counts" not in arrays:
-        raise CorruptChainError(f"{where}: counts array missing")
     counts = arrays["counts"].read(objects, None, where, None)
     _check_counts(counts, rows, slots, where)
+    _check_lengths(arrays, counts, slots, where)
     data: dict[str, np.ndarray] = {}
     with ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
                             thread_name_prefix="ldformat-decode") as pool:
@@ -403,22 +701,24 @@ def _decode_profile(arrays: dict[str, _ProfileArray], objects: Mapping[str, byte
             flat = arrays.get(name)
             if flat is None or not span:
                 continue
-            if len(flat.shape) != 1:
-                raise CorruptChainError(f"{where}: {name} is not a 1-D array")
-            _check_span(name, span, flat.shape[0], wanted, where)
             data[name] = flat.read(objects, span, where, pool)
     return counts, data
 
 
-def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int,
-                      where: str, wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], metadata: dict[str, _ProfileArray],
+                      slots: tuple[SlotInfo, ...], rows: int, where: str,
+                      wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     proto = default_buffer_prototype()
     store = MemoryStore({})
 
     def load(keys: list[str]) -> None:
         for k in keys:
             if k not in store._store_dict:
-                store._store_dict[k] = proto.buffer.from_array_like(np.frombuffer(objects[k], np.uint8))
+                data = objects[k]
+                name = k.split("/", 1)[0]
+                if k.startswith(f"{name}/c/") and name in metadata:
+                    _check_bounded(metadata[name], data, k, where)
+                store._store_dict[k] = proto.buffer.from_array_like(np.frombuffer(data, np.uint8))
 
     try:
         with warnings.catch_warnings():
@@ -426,19 +726,17 @@ def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], slots: tuple[Sl
             load([k for k in objects if k == "zarr.json" or k.endswith("/zarr.json")])
             group = zarr.open_group(store, mode="r")
             arrays = {name: zarr.open_array(store, path=name, mode="r") for name in sorted(group.array_keys())}
-            for name, array in arrays.items():
-                _check_listed(name, array.cdata_shape, objects, where)
-            if "counts" not in arrays:
-                raise CorruptChainError(f"{where}: counts array missing")
+            if sorted(arrays) != sorted(metadata):
+                raise CorruptChainError(f"{where}: the arrays zarr opens differ from the listed array metadata")
             load([k for k in objects if k.startswith("counts/c/")])
             counts = np.asarray(arrays["counts"][...])
             _check_counts(counts, rows, slots, where)
+            _check_lengths(metadata, counts, slots, where)
             data: dict[str, np.ndarray] = {}
             for name, span in _element_ranges(counts, slots, wanted.start, wanted.stop).items():
                 flat = arrays.get(name)
                 if flat is None or not span:
                     continue
-                _check_span(name, span, flat.shape[0], wanted, where)
                 chunk = flat.chunks[0]
                 load([f"{name}/c/{i}" for i in range(span.start // chunk, -(-span.stop // chunk))])
                 data[name] = np.asarray(flat[span.start : span.stop])
@@ -453,8 +751,8 @@ def _segments(data: dict[str, np.ndarray], counts: np.ndarray, slots: tuple[Slot
               where: str) -> dict[int, dict[int, Segment]]:
     """Walk the segments of rows ``wanted`` (spec §10.5); ``data`` holds exactly their elements."""
     gaps = data.get("indices", np.empty(0, np.uint32))
-    cum = np.cumsum(gaps, dtype=np.int64)
-    widths = _slot_widths(slots)
+    cum = np.cumsum(gaps, dtype=np.int64)  # wraps like uint64: differences within a segment stay exact
+    widths = _slot_widths(slots, where)
     value_pos: dict[int, int] = {}
     index_pos = 0
     segments: dict[int, dict[int, Segment]] = {}
@@ -478,7 +776,8 @@ def _segments(data: dict[str, np.ndarray], counts: np.ndarray, slots: tuple[Slot
                 base = cum[index_pos - 1] if index_pos else 0
                 idx = cum[index_pos : index_pos + n] - base
                 index_pos += n
-                if n and (idx[-1] >= slot.numel or (n > 1 and np.any(gaps[index_pos - n + 1 : index_pos] == 0))):
+                if n and (not 0 <= idx[-1] < min(slot.numel, MAX_SPARSE_INDEX)
+                          or (n > 1 and np.any(gaps[index_pos - n + 1 : index_pos] == 0))):
                     raise CorruptChainError(f"{where}: indices of {slot.name} (row {r}) out of range or unsorted")
             elif n != slot.numel:
                 raise CorruptChainError(f"{where}: {slot.name} (row {r}) has {n} values, expected {slot.numel}")

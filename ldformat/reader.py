@@ -6,6 +6,7 @@ the commit record before it is parsed, and nothing stored is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -17,11 +18,13 @@ import numpy as np
 import torch
 
 from .anchor import decode_anchor
-from .delta import DecodedBatch, decode_batch
+from .checks import check_anchor, residual_rank, tensor_metas
+from .delta import DecodedBatch, check_slots, decode_batch
 from .environment import differences
 from .errors import (
     CorruptChainError,
     EmptyChainError,
+    LdformatError,
     MissingObjectError,
     NotAChainError,
     ReplayEnvironmentWarning,
@@ -115,6 +118,7 @@ class ChainReader:
 
     def load_batch(self, entry: DeltaEntry, step: int | None = None, rows: range | None = None) -> DecodedBatch:
         """Read, verify and decode a batch; with ``rows``, only the objects those rows need."""
+        check_slots(entry.slots, self.root.schema, self.root.kind, f"{self.path}/{entry.path}")  # spec §10.3
         objects = _VerifiedObjects(self, entry, step)
         if rows is None:
             for key in objects:
@@ -159,7 +163,14 @@ class ChainReader:
             StepNotFoundError: ``step`` is not committed.
             CorruptChainError: an object fails its checksum or cannot be decoded.
         """
-        return self._retry(lambda: self._materialize(self._check_step(step), progress))
+        try:
+            return self._retry(lambda: self._materialize(self._check_step(step), progress))
+        except (LdformatError, OSError, MemoryError):
+            raise
+        except Exception as e:
+            # Last line of defence: the checks of ldformat.checks should leave nothing that
+            # fails further down; anything that still does is reported as corruption of the step.
+            raise _unexpected(f"{self.path} (step {self.latest_step if step is None else step})", e) from e
 
     def _materialize(self, step: int, progress: Callable[[int, int], None] | None) -> dict[str, Any]:
         anchor_step, path = self.state.replay_path(step)
@@ -172,18 +183,26 @@ class ChainReader:
             self.replay_steps(replayer, path, progress, batches)
         finally:
             batches.close()
-        result = replayer.result(step)
+        where = f"{self.path} (step {step})"
+        result = replayer.result(step, where)
         if not path and self.kind == "grad.topk":
-            residuals = {n[len("compressor/"):]: t for n, t in replayer.tensors.items() if n.startswith("compressor/")}
-            ranks = residuals_by_rank(replayer.tensors)
-            if len(ranks) > 1:
-                result["compressor_ranks"] = ranks
-            result["compressor"] = residuals
+            # Rank 0's residuals as `compressor`; when any rank r >= 1 has residuals, every rank's
+            # as `compressor_ranks` (rank 0 included, possibly empty; spec §11.7, §14.1).
+            ranks = residuals_by_rank(replayer.tensors, where)
+            if any(r > 0 for r in ranks):
+                result["compressor_ranks"] = {0: ranks.get(0, {}), **dict(sorted(ranks.items()))}
+            result["compressor"] = ranks.get(0, {})
         return result
 
     def start_replay(self, anchor_step: int) -> Replayer:
+        """A replayer holding the state of anchor ``anchor_step``, checked (spec §9, §18)."""
         entry = self.state.anchors[anchor_step]
-        return Replayer(self.root, self.load_anchor_tensors(anchor_step), entry.param_groups, entry.extra)
+        where = f"{self.path}/{entry.object.path} (step {anchor_step})"
+        tensors = self.load_anchor_tensors(anchor_step)
+        with _unexpected_as_corrupt(where):
+            replayer = Replayer(self.root, tensors, entry.param_groups, entry.extra, chain=self.path)
+            check_anchor(replayer.schema, entry, tensor_metas(tensors), where)
+        return replayer
 
     def replay_steps(
         self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None,
@@ -198,10 +217,11 @@ class ChainReader:
                 slots = {slot.name: slot for slot in entry.slots}
                 for s, step_entry in items:
                     where = f"{self.path}/{entry.path} (step {s})"
-                    if self.kind == "state.xor":
-                        replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
-                    else:
-                        replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
+                    with _unexpected_as_corrupt(where):
+                        if self.kind == "state.xor":
+                            replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
+                        else:
+                            replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
                     done += 1
                     if progress is not None:
                         progress(done, len(steps))
@@ -254,16 +274,35 @@ class ChainReader:
         return total
 
 
-def residuals_by_rank(tensors: dict[str, torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+def residuals_by_rank(tensors: dict[str, torch.Tensor], where: str = "anchor") -> dict[int, dict[str, torch.Tensor]]:
     """Top-k residuals of every rank: ``compressor/<name>`` is rank 0, ``compressor@<r>/<name>`` rank r."""
     out: dict[int, dict[str, torch.Tensor]] = {}
     for n, t in tensors.items():
-        if n.startswith("compressor/"):
-            out.setdefault(0, {})[n[len("compressor/"):]] = t
-        elif n.startswith("compressor@"):
-            prefix, name = n.split("/", 1)
-            out.setdefault(int(prefix[len("compressor@"):]), {})[name] = t
+        try:
+            found = residual_rank(n)
+        except CorruptChainError as e:
+            raise CorruptChainError(f"{where}: {e}") from None
+        if found is not None:
+            out.setdefault(found[0], {})[found[1]] = t
     return out
+
+
+def _unexpected(where: str, e: Exception) -> CorruptChainError:
+    return CorruptChainError(f"{where}: replay failed on something the chain holds ({type(e).__name__}: {e}); "
+                             "run `ldtools validate` on the chain, and restore or truncate it before this step")
+
+
+@contextlib.contextmanager
+def _unexpected_as_corrupt(where: str) -> Iterator[None]:
+    """Turn an exception that is not ldformat's (nor an I/O or memory error) into
+    CorruptChainError naming ``where``: replay checks what it uses (ldformat.checks), so this
+    only catches what those checks missed."""
+    try:
+        yield
+    except (LdformatError, OSError, MemoryError):
+        raise
+    except Exception as e:
+        raise _unexpected(where, e) from e
 
 
 def _ranges(steps: list[int]) -> str:

@@ -4,70 +4,142 @@
 anchor's tensors, setting each parameter's ``grad`` to the recorded gradient (``None`` where
 the step had none), restoring the hyperparameters the live optimizer used in that step, and
 calling ``step()``. ``state.xor`` deltas are applied by XOR on the raw bits.
+
+Everything replay relies on is checked by :mod:`ldformat.checks` before it is used, so a
+malformed chain raises :class:`CorruptChainError` naming the file and step. The optimizer is
+rebuilt, given its hyperparameters and stepped by three functions that
+:class:`ProxyReplayer` (what ``validate`` runs) shares with :class:`Replayer`, so that
+validation and replay cannot disagree about what a step does.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from .checks import (
+    OptimizerRules,
+    Schema,
+    TensorMeta,
+    check_extra,
+    check_hyper,
+    check_param_groups,
+    parse_index,
+    xor_step_changes,
+)
 from .delta import Segment, dense_view, fill_from_segment, segment_to_tensor, xor_into
-from .errors import CorruptChainError, UnsupportedStateError
-from .jsonvalue import decode, parse_dtype
+from .errors import CorruptChainError
+from .jsonvalue import dtype_name, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
 from .state import bits_view, live_optimizer_tensors
 
 
-def optimizer_class(root: RootMetadata) -> type[torch.optim.Optimizer]:
-    name = root.schema["optimizer"]["class"]
-    prefix = "torch.optim."
-    cls = getattr(torch.optim, name[len(prefix):], None) if name.startswith(prefix) else None
-    if cls is torch.optim.LBFGS:
-        raise UnsupportedStateError("LBFGS needs a closure to step, so its gradient deltas cannot be replayed")
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise UnsupportedStateError(
-            f"the chain's optimizer {name!r} is not a torch.optim class; gradient deltas can only "
-            "be replayed with torch.optim optimizers (state.xor chains work with any optimizer)"
-        )
-    return cls
+# -- the optimizer, shared by Replayer and ProxyReplayer ------------------------------------------
+def optimizer_state(tensors: Mapping[str, torch.Tensor], where: str) -> dict[int, dict[str, torch.Tensor]]:
+    """``{i: {key: tensor}}`` from the ``optimizer/<i>/<key>`` tensors of a state."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name.startswith("optimizer/"):
+            i_text, sep, key = name[len("optimizer/"):].partition("/")
+            i = parse_index(i_text)
+            if i is None or not sep:
+                raise CorruptChainError(f"{where}: {name!r} is not a stored name optimizer/<i>/<key> (spec §8)")
+            state.setdefault(i, {})[key] = t
+    return state
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    # Only floating-point tensors can require grad; a frozen integer parameter never has one.
+    return t.requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
+
+
+def build_optimizer(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], groups: list[Any],
+                    state: dict[int, dict[str, torch.Tensor]], where: str) -> torch.optim.Optimizer:
+    """``cls([{**group without params, "params": [p_i, ...]}, ...])`` then ``load_state_dict``
+    (spec §11.5); ``groups`` passed :func:`~ldformat.checks.check_param_groups`."""
+    built = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
+             for g in groups]
+    try:
+        opt = cls(built)  # type: ignore[call-arg]
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    except Exception as e:  # torch's own checks of the stored state (types, sizes, keys)
+        raise CorruptChainError(f"{where}: cannot rebuild torch.optim.{cls.__name__} from the anchor's optimizer "
+                                f"state and param groups ({type(e).__name__}: {e})") from None
+    return opt
+
+
+def use_hyperparameters(opt: torch.optim.Optimizer, hyper: list[Any]) -> None:
+    """Replace every member of each group except ``params`` by the members of ``hyper[g]``."""
+    for group, used in zip(opt.param_groups, hyper, strict=True):
+        params = group["params"]
+        group.clear()
+        group.update(used)
+        group["params"] = params
+
+
+def step_optimizer(opt: torch.optim.Optimizer, step: int, where: str) -> None:
+    """``opt.step()`` with gradient recording disabled; a failure is the chain's (spec §11.5)."""
+    try:
+        with torch.no_grad():
+            opt.step()
+    except Exception as e:  # what torch raises for hyperparameters or state it cannot step with
+        raise CorruptChainError(f"{where}: torch.optim.{type(opt).__name__} cannot run step {step} with the "
+                                f"recorded hyperparameters and state ({type(e).__name__}: {e})") from None
+
+
+class _Metas(Mapping[str, TensorMeta]):
+    """(dtype name, shape) of each tensor of a state, computed when asked."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> TensorMeta:
+        t = self._tensors[name]
+        return dtype_name(t.dtype), tuple(t.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 class Replayer:
     """A state being rolled forward, starting from an anchor."""
 
-    def __init__(self, root: RootMetadata, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any) -> None:
+    def __init__(self, root: RootMetadata, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any,
+                 *, chain: str = "") -> None:
         self.root = root
+        self.schema = Schema.of(root, chain)
         self.tensors = tensors
         self.param_groups = param_groups
         self.extra = extra
+        self._rules: OptimizerRules | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: list[torch.Tensor] = []
         self._grad_buffers: dict[int, torch.Tensor] = {}
 
     # -- gradient replay -------------------------------------------------------------
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        cls = optimizer_class(self.root)
-        names = self.root.schema["optimizer"]["params"]
+    def rules(self, where: str) -> OptimizerRules:
+        """The optimizer class and its param-group members (UnsupportedStateError if not replayable)."""
+        if self._rules is None:
+            self._rules = OptimizerRules.of(self.schema, self.root, where)
+        return self._rules
+
+    def _build_optimizer(self, where: str) -> torch.optim.Optimizer:
+        rules = self.rules(where)
+        groups = check_param_groups(self.schema, self.param_groups, where, rules)
         params = []
-        for n in names:
+        for n in self.schema.params:
             t = self.tensors.get(f"model/{n}")
             if t is None:
-                raise CorruptChainError(f"the anchor lacks model/{n}")
-            params.append(t.requires_grad_(True))
-        groups = decode(self.param_groups)
-        built = []
-        for g in groups:
-            body = {k: v for k, v in g.items() if k != "params"}
-            built.append({**body, "params": [params[i] for i in g["params"]]})
-        opt = cls(built)  # type: ignore[call-arg]
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for name, t in self.tensors.items():
-            if name.startswith("optimizer/"):
-                _, i, key = name.split("/", 2)
-                state.setdefault(int(i), {})[key] = t
-        opt.load_state_dict({"state": state, "param_groups": groups})
+                raise CorruptChainError(f"{where}: the anchor lacks model/{n}")
+            params.append(_leaf(t))
+        opt = build_optimizer(rules.cls, params, groups, optimizer_state(self.tensors, where), where)
         self._params = params
         return opt
 
@@ -75,23 +147,22 @@ class Replayer:
         self, entry: StepEntry, row: dict[str, Segment], slots: dict[str, SlotInfo], where: str
     ) -> None:
         if entry.stepped:
+            hyper = check_hyper(self.schema, entry, where, self.rules(where))
+            if hyper is None:  # check_hyper refuses a stepped gradient step without hyper
+                raise CorruptChainError(f"{where}: step {entry.step} lacks its hyperparameters")
             if self._optimizer is None:
-                self._optimizer = self._build_optimizer()
+                self._optimizer = self._build_optimizer(where)
             opt = self._optimizer
-            hyper = decode(entry.hyper)
-            if not isinstance(hyper, list) or len(hyper) != len(opt.param_groups):
-                raise CorruptChainError(f"{where}: step {entry.step} lacks the hyperparameters of its param groups")
-            for group, used in zip(opt.param_groups, hyper, strict=True):
-                params = group["params"]
-                group.clear()
-                group.update(used)
-                group["params"] = params
+            use_hyperparameters(opt, hyper)
             for i, p in enumerate(self._params):
                 seg = row.get(f"grad/{i}")
                 if seg is None:
                     p.grad = None
                     continue
-                slot = slots[f"grad/{i}"]
+                slot = slots.get(f"grad/{i}")
+                if slot is None or slot.shape != tuple(p.shape) or parse_dtype(slot.dtype) != p.dtype:
+                    raise CorruptChainError(f"{where}: slot grad/{i} does not have the dtype and shape of optimizer "
+                                            f"parameter {i} ({self.schema.params[i]}; spec §10.3)")
                 if seg[0] is None:  # dense: the decoded values are used once, so no copy
                     p.grad = dense_view(seg, slot)
                     continue
@@ -101,10 +172,13 @@ class Replayer:
                 else:
                     fill_from_segment(buf, seg)  # reuse: replay allocates no gradient per step
                 p.grad = buf
-            with torch.no_grad():
-                opt.step()
-            for p in self._params:
-                p.grad = None
+            try:
+                step_optimizer(opt, entry.step, where)
+            finally:
+                for p in self._params:
+                    p.grad = None
+        else:
+            check_hyper(self.schema, entry, where)
         for name, seg in row.items():
             if name.startswith("model/"):
                 self._overwrite(name, segment_to_tensor(seg, slots[name]), where)
@@ -121,21 +195,17 @@ class Replayer:
     # -- xor replay --------------------------------------------------------------------
     def apply_xor_step(self, entry: StepEntry, row: dict[str, Segment], slots: dict[str, SlotInfo], where: str) -> None:
         self._optimizer = None  # xor rewrites state directly; never mixes with gradient replay
-        for name in [n for n in self.tensors if n.startswith("optimizer/") and n not in row]:
+        check_hyper(self.schema, entry, where)
+        removed, added = xor_step_changes(_Metas(self.tensors), [slots[n] for n in row], entry.step, where)
+        for name in removed:
             del self.tensors[name]
+        new = {slot.name for slot in added}
         for name, seg in row.items():
-            slot = slots[name]
-            current = self.tensors.get(name)
-            if current is None:
-                self.tensors[name] = segment_to_tensor(seg, slot)
+            if name in new:
+                self.tensors[name] = segment_to_tensor(seg, slots[name])
             else:
-                if tuple(current.shape) != slot.shape or current.dtype != parse_dtype(slot.dtype):
-                    raise CorruptChainError(f"{where}: xor slot {name} changes shape")
                 with torch.no_grad():
-                    xor_into(current, seg)
-        missing = [n for n in self.tensors if n.startswith("model/") and n not in row]
-        if missing:
-            raise CorruptChainError(f"{where}: step {entry.step} has no xor delta for {missing[0]}")
+                    xor_into(self.tensors[name], seg)
         self.param_groups = entry.param_groups
         self.extra = entry.extra
 
@@ -146,19 +216,67 @@ class Replayer:
                 del self.tensors[name]
             self.tensors.update(live_optimizer_tensors(self._optimizer))
 
-    def result(self, step: int) -> dict[str, Any]:
+    def result(self, step: int, where: str = "") -> dict[str, Any]:
+        where = where or f"step {step}"
         self.sync_optimizer_tensors()
         model: OrderedDict[str, torch.Tensor] = OrderedDict()
-        for e in self.root.schema["model"]:
-            source = e["alias_of"] or e["name"]
+        for key, source in self.schema.sources:
             t = self.tensors.get(f"model/{source}")
             if t is None:
-                raise CorruptChainError(f"the chain's state lacks model/{source} at step {step}")
-            model[e["name"]] = t.detach()
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for name, t in self.tensors.items():
-            if name.startswith("optimizer/"):
-                _, i, key = name.split("/", 2)
-                state.setdefault(int(i), {})[key] = t.detach()
-        optimizer = {"state": dict(sorted(state.items())), "param_groups": decode(self.param_groups)}
-        return {"model": model, "optimizer": optimizer, "step": step, "extra": decode(self.extra)}
+                raise CorruptChainError(f"{where}: the chain's state lacks model/{source} at step {step}")
+            model[key] = t.detach()
+        state = {i: {k: t.detach() for k, t in s.items()} for i, s in optimizer_state(self.tensors, where).items()}
+        groups = check_param_groups(self.schema, self.param_groups, where)
+        optimizer = {"state": dict(sorted(state.items())), "param_groups": groups}
+        return {"model": model, "optimizer": optimizer, "step": step, "extra": check_extra(self.extra, where)}
+
+
+class ProxyReplayer:
+    """Gradient replay of the optimizer alone, on one-element stand-ins (spec §18).
+
+    Each parameter is a tensor of its dtype and number of dimensions with one element; each
+    optimizer state tensor of the anchor likewise, except 0-dimensional ones (step counters),
+    which keep their value. The optimizer is rebuilt, given each step's hyperparameters and
+    stepped exactly as :class:`Replayer` does it, with a gradient of ones where the step
+    recorded one. So whatever replay would fail on that does not depend on the tensors'
+    sizes or values (a missing or mistyped hyperparameter, a flag that needs state the
+    optimizer does not have, a class that cannot step here) fails here too, at a cost
+    independent of the model's size.
+    """
+
+    def __init__(self, schema: Schema, rules: OptimizerRules, anchor: Mapping[str, torch.Tensor],
+                 param_groups: Any, where: str) -> None:
+        self.schema, self.rules = schema, rules
+        self.params = [_leaf(torch.zeros((1,) * len(shape), dtype=parse_dtype(dtype)))
+                       for dtype, shape in (schema.param_meta(i) for i in range(len(schema.params)))]
+        self.state = {i: {k: _stand_in(t) for k, t in s.items()} for i, s in optimizer_state(anchor, where).items()}
+        self.param_groups = param_groups
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    def apply(self, entry: StepEntry, hyper: list[Any] | None, grads: Collection[int], where: str) -> None:
+        """Step with ``hyper`` (from :func:`~ldformat.checks.check_hyper`) and gradients for ``grads``."""
+        if entry.stepped and hyper is not None:
+            if self.optimizer is None:
+                groups = check_param_groups(self.schema, self.param_groups, where, self.rules)
+                self.optimizer = build_optimizer(self.rules.cls, self.params, groups, self.state, where)
+            use_hyperparameters(self.optimizer, hyper)
+            for i, p in enumerate(self.params):
+                p.grad = torch.ones_like(p) if i in grads else None
+            try:
+                step_optimizer(self.optimizer, entry.step, where)
+            finally:
+                for p in self.params:
+                    p.grad = None
+        self.param_groups = entry.param_groups
+
+    def copy(self) -> ProxyReplayer:
+        """An independent copy (for a second delta based on the same step)."""
+        twin = copy.copy(self)
+        twin.params, twin.state, twin.optimizer = copy.deepcopy((self.params, self.state, self.optimizer))
+        return twin
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() == 0:
+        return t.detach().clone()
+    return torch.zeros((1,) * t.dim(), dtype=t.dtype)

@@ -19,16 +19,16 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from .anchor import anchor_parts
-from .delta import SIGNED_NP, BatchEncoder, tensor_bits
+from .captured import CapturedStep, CapturedTensor, capture_gradients, capture_tensors, live_buffers
+from .delta import BatchEncoder, tensor_bits
 from .environment import current_environment
 from .errors import (
     ChainError,
@@ -36,10 +36,11 @@ from .errors import (
     ChainLockedError,
     LdformatError,
     UnsupportedStateError,
+    UnsupportedVersionError,
     UsageError,
     WriterIOError,
 )
-from .jsonvalue import dtype_name, encode, object_checksum, object_checksum_parts, parse_dtype
+from .jsonvalue import encode, object_checksum, object_checksum_parts
 from .log import (
     ROOT_FILE,
     WriterLock,
@@ -58,6 +59,7 @@ from .manifest import (
     AnchorEntry,
     ChainState,
     DeltaEntry,
+    Kind,
     ObjectRef,
     RootMetadata,
     SlotInfo,
@@ -76,43 +78,6 @@ from .state import (
 )
 from .stores import LocalStore, Store
 from .topk import TopK
-
-
-@dataclass
-class CapturedTensor:
-    """The raw bits of one captured tensor (flat, unsigned) and what they are."""
-
-    bits: np.ndarray
-    dtype: str
-    shape: tuple[int, ...]
-    indices: np.ndarray | None = None  # sorted flat indices of a sparse gradient
-
-    @classmethod
-    def of(cls, t: torch.Tensor, *, shape: tuple[int, ...] | None = None,
-           indices: np.ndarray | None = None) -> CapturedTensor:
-        """Wrap a CPU tensor (shares its memory: pass a copy the caller will not modify)."""
-        return cls(bits=tensor_bits(t), dtype=dtype_name(t.dtype), shape=tuple(t.shape) if shape is None else shape,
-                   indices=indices)
-
-    def to_tensor(self) -> torch.Tensor:
-        dtype = parse_dtype(self.dtype)
-        signed = self.bits.view(SIGNED_NP[self.bits.dtype.itemsize])
-        return torch.from_numpy(signed).view(dtype).reshape(self.shape)
-
-
-@dataclass
-class CapturedStep:
-    """Everything the writer needs to append one step, captured from the training loop."""
-
-    step: int
-    stepped: bool
-    hyper: Any  # encoded param groups the optimizer used (None if it did not step, or xor)
-    param_groups: Any  # encoded live param groups after the step and its scheduler step
-    extra: Any  # encoded extra state
-    tensors: dict[str, CapturedTensor]  # grad kinds: grad/<i> + model/<buffer>; xor: whole state
-    anchor: bool = False
-    anchor_tensors: dict[str, torch.Tensor] | None = None  # full state for an anchor (grad kinds)
-    owned: bool = True  # False: tensors are reused buffers, so the writer copies what it keeps
 
 
 class ChainWriter:
@@ -294,6 +259,11 @@ class ChainWriter:
         where = str(path)
         store = open_store(path, store)
         root = read_root(store, where)
+        if _minor(root.format_version) > _minor(FORMAT_VERSION):
+            raise UnsupportedVersionError(
+                f"{where}: the chain is format {root.format_version}; this ldformat writes {FORMAT_VERSION} and "
+                "may read it but not append to it (spec §3.1): upgrade ldformat"
+            )
         live_schema = build_schema(model, optimizer, root.kind, compressor)
         check_schema_matches(root.schema["model"], live_schema["model"], where)
         if root.schema["optimizer"]["params"] != live_schema["optimizer"]["params"]:
@@ -343,7 +313,7 @@ class ChainWriter:
                 "(add_param_group?); format 1.0 fixes them at creation: start a new chain"
             )
 
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if self._failed is not None:
             return
         self._captures_since_record += 1
@@ -356,12 +326,11 @@ class ChainWriter:
     def capture_gradients(self) -> dict[str, CapturedTensor]:
         """The gradients the optimizer is about to consume, as ``grad/<index>`` tensors.
 
-        For ``grad.topk`` only the values at the compressor's indices are copied.
+        For ``grad.topk`` only the values at the compressor's indices are copied, and the
+        compressor must have run since the previous step.
         """
-        grads: dict[str, CapturedTensor] = {}
-        if not self.kind.startswith("grad."):
-            return grads
-        topk = self.compressor if self.kind == "grad.topk" else None
+        kind = cast(Kind, self.kind)  # RootMetadata checked it
+        topk = self.compressor if kind == "grad.topk" else None
         if topk is not None and any(p.grad is not None for p in self._params):
             if topk.generation == self._seen_generation:
                 raise UsageError(
@@ -369,24 +338,11 @@ class ChainWriter:
                     "chain records the compressed gradient, so compress every step"
                 )
             self._seen_generation = topk.generation
-        for i, p in enumerate(self._params):
-            g = p.grad
-            if g is None:
-                continue
-            if topk is not None:
-                idx = topk.indices.get(self._param_names[i])
-                if idx is None:
-                    raise UsageError(f"parameter {self._param_names[i]!r} has a gradient that TopK did not compress")
-                values = g.detach().reshape(-1)[idx].cpu()
-                grads[f"grad/{i}"] = CapturedTensor.of(values, shape=tuple(g.shape), indices=idx.cpu().numpy())
-            else:
-                grads[f"grad/{i}"] = CapturedTensor.of(g.detach().to("cpu", copy=True))
-        return grads
+        return capture_gradients(self._params, self._param_names, kind, topk)
 
     def capture_buffers(self) -> dict[str, CapturedTensor]:
         """Copies of the model's buffers (``model/<key>``): the optimizer never touches them."""
-        sd = self.model.state_dict(keep_vars=True)
-        return {f"model/{n}": CapturedTensor.of(sd[n].detach().to("cpu", copy=True)) for n in self._buffers}
+        return capture_tensors(live_buffers(self.model, self._buffers))
 
     def live_state_tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor under its stored name (live objects, not copies)."""
@@ -417,7 +373,7 @@ class ChainWriter:
             tensors = {**grads, **self.capture_buffers()}
         else:
             hyper = None
-            tensors = {n: CapturedTensor.of(t.to("cpu", copy=True)) for n, t in self.live_state_tensors().items()}
+            tensors = capture_tensors(self.live_state_tensors())
         anchor = self.anchor_every is not None and step % self.anchor_every == 0
         captured = CapturedStep(
             step=step,
@@ -727,6 +683,10 @@ def _remove_creation(store: Store, owned_dir: Path | None, *, everything: bool =
             owned_dir.rmdir()
     except OSError:
         pass  # best effort: what is left is an unfinished creation, which create() reclaims
+
+
+def _minor(version: str) -> int:
+    return int(version.split(".")[1])
 
 
 def _fsync_dir(path: Path) -> None:

@@ -1,55 +1,228 @@
 """``ldtools``: a thin click layer over ldformat's public API.
 
-Exit codes: 0 success, 1 a problem with the chain (invalid, corrupt, locked, step missing),
-2 a usage error or a path that is not a chain. Errors are one line on stderr.
+Exit codes (spec section 18.1): 0 success; 1 a problem with the chain (invalid, corrupt, missing
+object, unsupported version, step not committed, I/O error on the chain); 2 a usage error or a
+path that is not a chain; 3 an output file or standard output could not be written; 4 the chain
+is locked by another writer; 70 an internal error (a bug); 130 interrupted or not confirmed; 141
+standard output closed (broken pipe). An error is one line on stderr, without a traceback unless
+``LDTOOLS_DEBUG=1`` or ``ldtools --debug`` asks for one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
+import re
 import sys
 import tempfile
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, NoReturn, TypeVar
 
 import click
 
 import ldformat
-from ldformat import ChainError, ChainReader, LdformatError, NotAChainError, UsageError
+from ldformat import ChainLockedError, ChainReader, LdformatError, NotAChainError, UsageError
+from ldformat.errors import OutputWriteError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+EXIT_OK = 0
 EXIT_PROBLEM = 1
 EXIT_USAGE = 2
+EXIT_OUTPUT = 3
+EXIT_LOCKED = 4
+EXIT_INTERNAL = 70  # EX_SOFTWARE of sysexits.h
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE
+
+DEBUG_ENV = "LDTOOLS_DEBUG"
+_STEP_CONTEXT = "_ldtools_step_context"
 
 
-def _fail(message: str, code: int) -> None:
-    click.echo(f"ldtools: error: {message}", err=True)
+class _Session:
+    """Per-invocation settings (reset each time the command line is parsed)."""
+
+    debug = False
+
+
+def _debug_from_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+# -- printing ----------------------------------------------------------------------------------
+def printable(text: str, stream: Any = None) -> str:
+    """``text`` as the stream can encode it: undecodable path bytes (``\\udcff``) become ``\\xff``.
+
+    A path with bytes that are not UTF-8 comes from the OS as lone surrogates; a strict
+    UTF-8 stream cannot encode them. They are shown as backslash escapes of the original bytes.
+    """
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+        return text
+    except (UnicodeEncodeError, LookupError):
+        pass
+    try:
+        text = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # surrogates that are not escaped bytes
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    try:
+        return text.encode(encoding, "backslashreplace").decode(encoding)
+    except LookupError:
+        return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def _is_broken_pipe(e: BaseException) -> bool:
+    return isinstance(e, BrokenPipeError) or (
+        isinstance(e, OSError) and not isinstance(e, OutputWriteError) and e.errno == errno.EPIPE
+    )
+
+
+def _errno_text(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno, str(e.errno)) if e.errno is not None else None
+    cause = e.strerror or str(e) or type(e).__name__
+    return f"{cause} [{name}]" if name else cause
+
+
+def _echo(message: str = "") -> None:
+    """Print one line on stdout; an error writing it (other than a closed pipe) is an output error."""
+    try:
+        click.echo(printable(message, sys.stdout))
+    except OSError as e:
+        if _is_broken_pipe(e):
+            raise
+        raise _output_error("standard output", e) from e
+
+
+def _say(message: str) -> None:
+    """Print one line on stderr, whatever state stderr is in."""
+    with contextlib.suppress(OSError, ValueError):
+        click.echo(printable(" ".join(message.splitlines()), sys.stderr), err=True)
+
+
+def _output_error(what: str, e: OSError) -> OutputWriteError:
+    err = OutputWriteError(f"{what}: cannot write: {_errno_text(e)}")
+    err.errno = e.errno
+    return err
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe, send what is still buffered for stdout to /dev/null (no error at exit)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(fd, sys.stdout.fileno())
+        finally:
+            os.close(fd)
+
+
+# -- errors and exit codes ---------------------------------------------------------------------
+@contextlib.contextmanager
+def _about_step(step: int | None, doing: str) -> Iterator[None]:
+    """Make an error raised inside name ``step`` (the step the user asked for) if it does not already."""
+    try:
+        yield
+    except (LdformatError, OSError) as e:
+        if step is not None and not isinstance(e, OutputWriteError) and not hasattr(e, _STEP_CONTEXT):
+            setattr(e, _STEP_CONTEXT, f"{doing} step {step}")
+        raise
+
+
+def _os_message(e: OSError) -> str:
+    names = [str(n) for n in (e.filename, e.filename2) if n is not None]
+    where = " -> ".join(names) if names else "I/O error"
+    return f"{where}: {_errno_text(e)}"
+
+
+def classify(e: BaseException) -> tuple[int, str | None]:
+    """The exit code of an exception and its one-line message (None: exit quietly)."""
+    if isinstance(e, OutputWriteError):
+        code, message = EXIT_OUTPUT, str(e)
+    elif _is_broken_pipe(e):
+        return EXIT_BROKEN_PIPE, None
+    elif isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    elif isinstance(e, click.Abort):
+        return EXIT_INTERRUPTED, "aborted; nothing was changed"
+    elif isinstance(e, ChainLockedError):  # LockLostError too
+        code, message = EXIT_LOCKED, str(e)
+    elif isinstance(e, (NotAChainError, UsageError)):
+        code, message = EXIT_USAGE, str(e)
+    elif isinstance(e, LdformatError):
+        code, message = EXIT_PROBLEM, str(e)
+    elif isinstance(e, OSError):
+        code, message = EXIT_PROBLEM, _os_message(e)
+    else:
+        detail = " ".join(str(e).splitlines()) or "(no message)"
+        return EXIT_INTERNAL, (
+            f"internal error: {type(e).__name__}: {detail} (this is a bug in ldtools: please report it "
+            f"with the command line; {DEBUG_ENV}=1 shows the traceback)"
+        )
+    context = getattr(e, _STEP_CONTEXT, None)
+    if context is not None:
+        step = context.rsplit(" ", 1)[-1]
+        if not re.search(rf"\bstep {re.escape(step)}\b", message):
+            message += f"; while {context}"
+    return code, f"error: {message}"
+
+
+def exit_for(e: BaseException) -> NoReturn:
+    """Report ``e`` as documented (spec section 18.1) and exit with its code."""
+    code, message = classify(e)
+    if message is None:
+        _silence_stdout()
+        sys.exit(code)
+    if _Session.debug or _debug_from_env():
+        with contextlib.suppress(OSError, ValueError):
+            traceback.print_exception(type(e), e, e.__traceback__, file=sys.stderr)
+    _say(f"ldtools: {message}")
     sys.exit(code)
 
 
+_CLICK_FLOW = (click.exceptions.Exit, click.ClickException)
+
+
+@contextlib.contextmanager
+def _exit_codes() -> Iterator[None]:
+    try:
+        yield
+    except _CLICK_FLOW:
+        raise  # --help, --version, bad options: click reports them (exit 0 or 2)
+    except (Exception, KeyboardInterrupt) as e:
+        exit_for(e)
+
+
 def errors_to_exit_codes(fn: F) -> F:
-    """Turn ldformat errors into one line on stderr and the documented exit code."""
+    """Turn every error of a command into one line on stderr and its documented exit code."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
+        with _exit_codes():
             return fn(*args, **kwargs)
-        except NotAChainError as e:
-            _fail(str(e), EXIT_USAGE)
-        except UsageError as e:
-            _fail(str(e), EXIT_USAGE)
-        except ChainError as e:
-            _fail(str(e), EXIT_PROBLEM)
-        except LdformatError as e:
-            _fail(str(e), EXIT_PROBLEM)
-        except OSError as e:
-            _fail(f"{e.filename or ''}: {e.strerror or e}".lstrip(": "), EXIT_PROBLEM)
 
     return wrapper  # type: ignore[return-value]
+
+
+class LdtoolsGroup(click.Group):
+    """A click group that applies the exit codes to everything it runs, help and version included."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        if parent is None:
+            _Session.debug = _debug_from_env()
+        with _exit_codes():
+            return super().make_context(info_name, args, parent, **extra)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with _exit_codes():
+            return super().invoke(ctx)
+        raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _Progress:
@@ -86,14 +259,26 @@ def _human(n: float) -> str:
 CHAIN = click.argument("chain", type=click.Path(path_type=str))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LdtoolsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ldformat.__version__, prog_name="ldtools")
-def cli() -> None:
+@click.option("--debug", is_flag=True, help=f"On an error, also print the Python traceback (or set {DEBUG_ENV}=1).")
+def cli(debug: bool) -> None:
     """Inspect, materialize, validate and compact ldformat checkpoint chains.
 
-    Exit codes: 0 success, 1 a problem with the chain, 2 a usage error or a path that is
-    not a chain.
+    An error is one line on stderr. Exit codes (spec section 18.1):
+
+    \b
+      0    success
+      1    a problem with the chain (corrupt, missing object, unsupported
+           version, step not committed, I/O error on the chain)
+      2    usage error, or the path is not a chain
+      3    the output file (or stdout) could not be written
+      4    the chain is locked by another writer
+      70   internal error (a bug in ldtools: please report it)
+      130  interrupted, or a confirmation was declined
+      141  stdout was closed (broken pipe)
     """
+    _Session.debug = _Session.debug or debug
 
 
 def _state_bytes(reader: ChainReader, step: int) -> int:
@@ -160,21 +345,21 @@ def info(chain: str, as_json: bool) -> None:
     """
     data = chain_info(ChainReader(chain))
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        _echo(json.dumps(data, indent=2))
         return
-    click.echo(f"chain        {data['path']}  (format {data['format_version']}, kind {data['kind']})")
-    click.echo(f"optimizer    {data['optimizer']}")
-    click.echo(f"steps        {data['steps']}  ({data['first_step']} .. {data['latest_step']})")
+    _echo(f"chain        {data['path']}  (format {data['format_version']}, kind {data['kind']})")
+    _echo(f"optimizer    {data['optimizer']}")
+    _echo(f"steps        {data['steps']}  ({data['first_step']} .. {data['latest_step']})")
     anchors = data["anchors"]
     shown = ", ".join(map(str, anchors[:10])) + (" ..." if len(anchors) > 10 else "")
-    click.echo(f"anchors      {len(anchors)}  [{shown}]")
-    click.echo(f"on disk      {_human(data['bytes_on_disk'])}  (anchors {_human(data['anchor_bytes'])}, "
+    _echo(f"anchors      {len(anchors)}  [{shown}]")
+    _echo(f"on disk      {_human(data['bytes_on_disk'])}  (anchors {_human(data['anchor_bytes'])}, "
                f"deltas {_human(data['delta_bytes'])})")
     if data["delta_bytes_per_step"] is not None:
-        click.echo(f"per step     {_human(data['delta_bytes_per_step'])} of deltas; one full checkpoint is "
+        _echo(f"per step     {_human(data['delta_bytes_per_step'])} of deltas; one full checkpoint is "
                    f"{_human(data['full_checkpoint_bytes'])}")
     if data["compression_vs_full_checkpoints"]:
-        click.echo(f"compression  {data['compression_vs_full_checkpoints']:.1f}x smaller than a full "
+        _echo(f"compression  {data['compression_vs_full_checkpoints']:.1f}x smaller than a full "
                    "checkpoint per step")
     policy = data["capture_policy"]
     if policy:
@@ -184,9 +369,9 @@ def info(chain: str, as_json: bool) -> None:
             line += (f" (step {inputs['step_time_s']:.3f}s, anchor write {inputs['anchor_write_s']:.3f}s, "
                      f"replay {inputs['replay_step_s']:.4f}s/step, commit {inputs['commit_s']:.4f}s, "
                      f"MTBF {inputs['mtbf_s'] / 3600:.1f}h)")
-        click.echo(line)
+        _echo(line)
     env: dict[str, Any] = data["environment"]
-    click.echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
+    _echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
                f"optimizer path {','.join(env.get('implementation', []))}")
 
 
@@ -213,34 +398,116 @@ def log(chain: str, as_json: bool) -> None:
             "bytes": sum(a.object.size for a in r.anchors) + sum(o.size for d in r.deltas for o in d.objects),
         })
     if as_json:
-        click.echo(json.dumps(rows, indent=2))
+        _echo(json.dumps(rows, indent=2))
         return
     for row in rows:
         ds = row["delta_steps"]
         deltas = f"deltas {ds[0]}-{ds[1]}" if ds else "no deltas"
         anchors = f"anchors {row['anchors']}" if row["anchors"] else "no anchors"
-        click.echo(f"{row['seq']:>6}  {row['time']}  {row['type']:<8} {deltas:<20} {anchors:<24} "
+        _echo(f"{row['seq']:>6}  {row['time']}  {row['type']:<8} {deltas:<20} {anchors:<24} "
                    f"{_human(row['bytes'])}  {row['reason']}")
 
 
-def _atomic_write(out: Path, write: Callable[[str], None]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
+def _umask() -> int:
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the mode open() would
+    return umask
+
+
+def _write_cause(e: BaseException) -> OSError | None:
+    """The OS error behind a failed write: ``e`` itself, one it was raised from or during, or one a
+    serializer only names in its message (safetensors: ``... (os error 28)``)."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, OSError):
+            return cur
+        found = re.search(r"\(os error (\d+)\)", str(cur))
+        if found:
+            code = int(found.group(1))
+            return OSError(code, os.strerror(code))
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+def _remove(tmp: str | None) -> bool:
+    """Remove a temporary file; False if it is still there."""
+    if tmp is None:
+        return True
     try:
-        write(tmp)
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    return True
+
+
+def _output_failure(out: Path, what: str, cause: OSError, existed: bool,
+                    tmp_left: str | None = None) -> OutputWriteError:
+    kept = "the existing file is unchanged" if existed else "no file was written"
+    message = f"{out}: cannot write {what}: {_errno_text(cause)}; {kept}"
+    if tmp_left is not None:
+        message += f"; remove the temporary file {tmp_left}"
+    err = OutputWriteError(message)
+    err.errno = cause.errno
+    return err
+
+
+def check_output(out: Path, what: str) -> None:
+    """Fail early (before a long replay) when ``out`` can obviously not be written."""
+    existed = os.path.lexists(out)
+    if out.is_dir():
+        raise _output_failure(out, what, OSError(errno.EISDIR, os.strerror(errno.EISDIR)), existed)
+    ancestor = out.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise _output_failure(out, what, OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), existed)
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise _output_failure(out, what, OSError(errno.EACCES, os.strerror(errno.EACCES)), existed)
+
+
+def write_output(out: Path, what: str, write: Callable[[IO[bytes], str], None]) -> int:
+    """Write an output file atomically and return its size in bytes.
+
+    ``write(f, tmp)`` writes the content into ``f``, a temporary file opened next to ``out``
+    (or into its path ``tmp``). The file is synced and renamed onto ``out``; on any failure
+    the temporary file is removed and ``out`` is left as it was. An OS error (disk full, I/O
+    error, permission), also one a serializer wraps, raises :class:`OutputWriteError` naming
+    ``out``, ``what`` and the cause. The file gets the mode ``open()`` would give it (umask).
+    """
+    existed = os.path.lexists(out)
+    tmp: str | None = None
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            write(f, tmp)
+        # After writing: a serializer may have replaced the file at ``tmp`` (safetensors does).
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; give the mode open() would
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+            size = os.fstat(f.fileno()).st_size
         os.replace(tmp, out)
+        tmp = None
+    except Exception as e:
+        cause = _write_cause(e)
+        removed = _remove(tmp)
+        if cause is None:
+            raise  # not an I/O failure: a bug, reported as an internal error
+        raise _output_failure(out, what, cause, existed, None if removed else tmp) from e
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        _remove(tmp)
         raise
+    with contextlib.suppress(OSError):  # make the rename durable; not every file system can sync a directory
+        dir_fd = os.open(out.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return size
 
 
 def flatten_for_safetensors(state: dict[str, Any], with_optimizer: bool) -> tuple[dict[str, Any], dict[str, str]]:
@@ -288,17 +555,21 @@ def materialize(chain: str, step: int | None, out: Path, with_optimizer: bool) -
     if with_optimizer and suffix != ".safetensors":
         raise UsageError("--with-optimizer applies to .safetensors output (.pt always holds the optimizer)")
     reader = ChainReader(chain)
-    progress = _Progress(f"replaying to step {step if step is not None else reader.latest_step}")
+    target = step if step is not None else reader.latest_step
+    what = f"step {target}" if target is not None else "the output"
+    check_output(out, what)
+    progress = _Progress(f"replaying to step {target}")
     try:
-        state = reader.materialize(step, progress=progress)
+        with _about_step(target, "materializing"):
+            state = reader.materialize(step, progress=progress)
     finally:
         progress.close()
     if suffix == ".safetensors":
         tensors, metadata = flatten_for_safetensors(state, with_optimizer)
-        _atomic_write(out, lambda p: safetensors.torch.save_file(tensors, p, metadata=metadata))
+        size = write_output(out, what, lambda f, tmp: safetensors.torch.save_file(tensors, tmp, metadata=metadata))
     else:
-        _atomic_write(out, lambda p: torch.save(state, p))
-    click.echo(f"wrote step {state['step']} to {out} ({_human(out.stat().st_size)})")
+        size = write_output(out, what, lambda f, tmp: torch.save(state, f))
+    _echo(f"wrote step {state['step']} to {out} ({_human(size)})")
 
 
 @cli.command()
@@ -317,15 +588,15 @@ def validate(chain: str, deep: bool, as_json: bool) -> None:
     finally:
         progress.close()
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        _echo(json.dumps(report.to_dict(), indent=2))
     else:
         for p in report.problems:
-            click.echo(str(p))
+            _echo(str(p))
         if report.ok:
             drift = f", replay at {len(report.drift)} anchors bit-exact" if deep else ""
-            click.echo(f"ok: {report.steps} steps, {len(report.anchors)} anchors{drift}")
+            _echo(f"ok: {report.steps} steps, {len(report.anchors)} anchors{drift}")
         else:
-            click.echo(f"invalid: {len(report.problems)} problem(s)", err=True)
+            _say(f"invalid: {len(report.problems)} problem(s)")
     if not report.ok:
         sys.exit(EXIT_PROBLEM)
 
@@ -354,10 +625,10 @@ def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_ever
     finally:
         progress.close()
     if as_json:
-        click.echo(json.dumps(plan.to_dict(), indent=2))
+        _echo(json.dumps(plan.to_dict(), indent=2))
         return
     verb = "would" if dry_run else "did"
-    click.echo(f"{verb} keep {len(plan.kept_steps)} steps, drop {len(plan.dropped_steps)}, "
+    _echo(f"{verb} keep {len(plan.kept_steps)} steps, drop {len(plan.dropped_steps)}, "
                f"write {len(plan.new_anchors)} new anchors {plan.new_anchors[:10]}, "
                f"merge {len(plan.merged_deltas)} xor runs, drop {len(plan.dropped_anchors)} anchors, "
                f"remove {len(plan.removed_objects)} objects")
@@ -379,8 +650,9 @@ def truncate(chain: str, after: int, yes: bool) -> None:
         raise ldformat.StepNotFoundError(f"{chain}: step {after} is not in the chain; nothing was changed")
     if later and not yes and sys.stdin.isatty():
         click.confirm(f"remove {len(later)} steps ({later[0]}..{later[-1]})?", abort=True)
-    removed = ldformat.truncate(chain, after)
-    click.echo(f"removed {len(removed)} steps; the chain now ends at step {after}")
+    with _about_step(after, "truncating after"):
+        removed = ldformat.truncate(chain, after)
+    _echo(f"removed {len(removed)} steps; the chain now ends at step {after}")
 
 
 def main() -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import ldformat
+from ldformat.log import current_lock
 from ldformat.stores import LocalStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -236,7 +237,7 @@ def efbig(path: str, limit: int) -> None:
         out["second"] = {"type": type(e).__name__, "errno": getattr(e, "errno", None), "message": str(e)}
     out["durable_after"] = writer.durable_step
     writer.close()
-    out["lock_released"] = not os.path.exists(os.path.join(path, "writer.lock"))
+    out["lock_released"] = current_lock(LocalStore(path)) is None
     print(json.dumps(out), flush=True)
 
 

@@ -32,6 +32,8 @@ from ldformat import (
     UnsupportedVersionError,
 )
 from ldformat.jsonvalue import canonical, with_checksum
+from ldformat.log import current_lock
+from ldformat.stores import LocalStore
 from ldtools.cli import cli
 
 STEPS = 12
@@ -82,7 +84,11 @@ def copy_of(built: Any, kind: str, tmp_path: Path) -> tuple[Path, dict[int, dict
 
 # -- helpers -----------------------------------------------------------------------------
 def tree_digest(root: Path) -> dict[str, str]:
-    """Every file's sha256 and every directory, so that any change shows."""
+    """Every file's sha256 and every directory, so that any change shows.
+
+    The writer lock (``lock/``) is not committed content: taking and releasing it adds
+    generations; that no lock stays *held* is checked with ``current_lock``.
+    """
     if not root.exists():
         return {}
     if root.is_file():
@@ -90,7 +96,11 @@ def tree_digest(root: Path) -> dict[str, str]:
     out = {}
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
+        if rel == "lock" or rel.startswith("lock/"):
+            continue
         out[rel] = "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+    if (root / "lock").is_dir():
+        assert current_lock(LocalStore(root)) is None, f"{root}: the writer lock is still held"
     return out
 
 
@@ -403,14 +413,15 @@ def test_step_out_of_range(chain: Path, tmp_path: Path, step: int) -> None:
 
 
 def test_chain_without_a_committed_step(chain: Path, tmp_path: Path) -> None:
+    """A root without records is corrupt (spec §7.3), not an empty chain."""
     shutil.rmtree(chain / "log")
     shutil.rmtree(chain / "anchors")
     shutil.rmtree(chain / "deltas")
     before = tree_digest(chain)
-    with pytest.raises(EmptyChainError) as info:
+    with pytest.raises(CorruptChainError, match="no commit record") as info:
         ChainReader(chain).materialize()
     assert str(chain) in str(info.value)
-    cli_materialize_fails(tmp_path, chain, None, 1, (str(chain),))
+    cli_materialize_fails(tmp_path, chain, None, 1, (str(chain), "no commit record"))
     assert tree_digest(chain) == before
 
 

@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ldformat
 from ldformat import ChainReader, LdformatError, ResumableSampler
-from ldformat.capture.runtime import _open_checkpointers
+from ldformat.capture.hooks import open_at_exit as _open_checkpointers
 from ldformat.stores import LocalStore
 
 HERE = Path(__file__).resolve().parent

@@ -28,7 +28,9 @@ def build(tmp_path: Path, kind: str, steps: int = 12, batch_steps: int = 4) -> t
 
 
 def files(path: str) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in Path(path).rglob("*") if p.is_file()}
+    """The chain's files, without the writer lock (not committed content, spec §15)."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in Path(path).rglob("*")
+            if p.is_file() and not str(p.relative_to(path)).startswith("lock/")}
 
 
 @pytest.mark.parametrize("kind", ["grad.dense", "state.xor"])

@@ -9,7 +9,7 @@ fsync of the commit protocol, then checks that:
 - every step the writer reported durable is in the chain and materializes bit for bit as
   the same training re-run here without a writer; so do the steps committed after the last
   report (and, in two trials per kind, every step of the chain);
-- ``writer.lock`` names the dead writer, and ``ChainWriter.open`` takes it over, removes
+- the writer lock names the dead writer, and ``ChainWriter.open`` takes it over, removes
   the uncommitted leftovers (objects under ``anchors/`` and ``deltas/`` no record
   references, ``log/.tmp-*``) and appends steps that again materialize exactly.
 """
@@ -34,6 +34,8 @@ from models import assert_state_bits_equal, snapshot
 
 import ldformat
 from ldformat import ChainLockedError, ChainReader, ChainWriter
+from ldformat.log import current_lock
+from ldformat.stores import LocalStore
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"),
@@ -224,8 +226,8 @@ def check_and_take_over(path: Path, kind: str, dead_pid: int, reported: list[int
                         every_step: bool = False) -> dict[str, Any]:
     """All the post-crash checks; returns facts the caller may assert on."""
     refs = refs_for(kind)
-    lock = json.loads((path / "writer.lock").read_text())
-    assert lock["pid"] == dead_pid and pid_is_gone(dead_pid), lock
+    lock = current_lock(LocalStore(path))
+    assert lock is not None and lock.pid == dead_pid and pid_is_gone(dead_pid), lock
 
     # The chain validates (and validating changes nothing).
     before = tree_digest(path)
@@ -253,7 +255,8 @@ def check_and_take_over(path: Path, kind: str, dead_pid: int, reported: list[int
     assert reader.load_into(model, optimizer, compressor=topk)["step"] == latest
     writer = ChainWriter.open(path, model, optimizer, compressor=topk,
                               batch_steps=cw.BATCH_STEPS, anchor_every=cw.ANCHOR_EVERY)
-    assert json.loads((path / "writer.lock").read_text())["pid"] == os.getpid()
+    lock = current_lock(LocalStore(path))
+    assert lock is not None and lock.pid == os.getpid()
     assert writer.durable_step == latest
     after_open = ChainReader(path)
     assert after_open.steps == reader.steps
@@ -269,7 +272,7 @@ def check_and_take_over(path: Path, kind: str, dead_pid: int, reported: list[int
         writer.record_step(s)
         live[s] = snapshot(model, optimizer)
     assert writer.close() == latest + EXTRA_STEPS
-    assert not (path / "writer.lock").exists()
+    assert current_lock(LocalStore(path)) is None
     report = ldformat.validate(path)
     assert report.ok, [str(p) for p in report.problems]
     final = ChainReader(path)
@@ -332,11 +335,12 @@ def test_live_writer_lock_is_refused_by_another_process(server: ForkServer, tmp_
         assert ldformat.validate(path).ok
         model, optimizer, _ = cw.make_training(kind)
         reader.load_into(model, optimizer)
-        lock_before = (path / "writer.lock").read_bytes()
-        assert json.loads(lock_before)["pid"] == pid
+        lock_before = sorted((path / "lock").iterdir())
+        held = current_lock(LocalStore(path))
+        assert held is not None and held.pid == pid
         with pytest.raises(ChainLockedError, match=rf"pid {pid}\b"):
             ChainWriter.open(path, model, optimizer, batch_steps=cw.BATCH_STEPS)
-        assert (path / "writer.lock").read_bytes() == lock_before, "a refused open touched the lock"
+        assert sorted((path / "lock").iterdir()) == lock_before, "a refused open touched the lock"
     finally:
         status = server.kill(pid)
     assert status["signal"] == signal.SIGKILL

@@ -19,10 +19,10 @@ from zarr.storage import MemoryStore
 
 import ldformat
 from ldformat import delta
+from ldformat.captured import CapturedStep, CapturedTensor
 from ldformat.delta import BatchEncoder, Segment, decode_batch, encode_batch
 from ldformat.jsonvalue import dtype_name
 from ldformat.manifest import SlotInfo
-from ldformat.writer import CapturedStep, CapturedTensor
 
 
 # -- reference: the encoder before streaming (zarr writes each whole concatenated array) --------

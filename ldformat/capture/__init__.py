@@ -1,16 +1,18 @@
-"""The capture runtime: feeding a chain from a training loop without stalling it."""
+"""The capture runtime: feeding a chain from a training loop without stalling it (spec §20 "Capture runtime")."""
 
-from .ddp import TopKCommState, topk_comm_hook
+from .ddp import ResidualPeer, TopKCommState, gather_residuals, topk_comm_hook
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps, wasted_time_per_step
 from .resume import resume
-from .runtime import MODES, CaptureStats, Checkpointer, ResidualPeer, gather_residuals
+from .runtime import MODES, Checkpointer, Mode
 from .sampler import ResumableSampler
+from .tuning import CaptureStats
 
 __all__ = [
     "MODES",
     "AdaptiveTuner",
     "CaptureStats",
     "Checkpointer",
+    "Mode",
     "PolicyInputs",
     "ResidualPeer",
     "ResumableSampler",

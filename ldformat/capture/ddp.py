@@ -88,7 +88,9 @@ def world_size(group: dist.ProcessGroup | None) -> int:
     return int(dist.get_world_size(group))
 
 
-def gather_residuals(topk: TopK, names: list[str], group: dist.ProcessGroup | None) -> dict[int, dict[str, torch.Tensor]]:
+def gather_residuals(
+    topk: TopK, names: list[str], group: dist.ProcessGroup | None
+) -> dict[int, dict[str, torch.Tensor]]:
     """All-gather every rank's top-k residuals (a collective: every rank must call it)."""
     world = dist.get_world_size(group)
     out: dict[int, dict[str, torch.Tensor]] = {r: {} for r in range(world)}

@@ -1,15 +1,22 @@
-"""Hooks into the live training objects, installed and removed together (spec §20.1 "Modes and life cycle").
+"""Hooks into the training objects and the interpreter's exit (spec §20.1 "Modes and life cycle").
 
 The capture runtime registers optimizer step hooks and per-parameter gradient hooks, and
 runs code after ``scheduler.step()`` and ``scaler.update()`` return. Those methods are
 wrapped by a per-instance subclass, so that nothing lands in the object's ``__dict__``
-(schedulers return theirs from ``state_dict()``).
+(schedulers return theirs from ``state_dict()``). Whatever is still open at interpreter
+exit is closed then, so that a partial batch is committed rather than dropped.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Protocol
+
+log = logging.getLogger("ldformat.capture")
 
 
 class Handle(Protocol):
@@ -55,3 +62,32 @@ class Hooks:
         """Undo in reverse order: a wrapper restores the class that the one before it replaced."""
         while self._undo:
             self._undo.pop()()
+
+
+class Closable(Protocol):
+    path: str
+
+    def close(self) -> object: ...
+
+
+open_at_exit: weakref.WeakSet[Closable] = weakref.WeakSet()
+"""What interpreter exit closes (add on opening, discard on closing)."""
+
+
+def _close_at_exit() -> None:
+    for obj in list(open_at_exit):
+        try:
+            obj.close()
+        except Exception as e:  # nothing to raise to at exit
+            log.error("ldformat: closing %s at exit failed: %s", obj.path, e)
+
+
+# Interpreter exit first runs threading's exit hooks, among them the one that makes every
+# ThreadPoolExecutor refuse new work (zarr encodes through one), then the atexit handlers.
+# Flush among the former, before that hook: those run in reverse order of registration.
+import concurrent.futures.thread  # noqa: E402,F401  (registers its hook before ours)
+
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
+else:  # pragma: no cover
+    atexit.register(_close_at_exit)

@@ -1,19 +1,34 @@
-"""Resuming training from a chain (spec §19.5)."""
+"""Resuming training from a chain, and re-opening it to record again (spec §19.5 "Resuming", §20.1).
+
+:func:`resume` restores the live training objects from a step; :func:`open_writer` is the
+capture runtime's side: it re-opens the chain at that step, truncating the steps after it
+(§16 "Truncation") and loading the top-k residuals of its anchor (§14.2 "Resuming").
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ..errors import StepNotFoundError
+from ..errors import StepNotFoundError, UsageError
 from ..log import ROOT_FILE
+from ..manifest import Kind
 from ..reader import ChainReader
 from ..stores import Store
 from ..topk import TopK
+from ..writer import ChainWriter
+from .extra import Stateful
 from .rng import restore_rng
+
+log = logging.getLogger("ldformat.capture")
+
+
+def _holds_chain(path: str | os.PathLike[str], store: Store | None) -> bool:
+    return store.exists(ROOT_FILE) if store is not None else (Path(path) / ROOT_FILE).exists()
 
 
 def _exact_step(reader: ChainReader) -> int:

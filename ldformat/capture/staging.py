@@ -1,4 +1,4 @@
-"""Reusable host buffers and device-to-host copies (spec §20.3, "Capture pipeline").
+"""Reusable host buffers and device-to-host copies (spec §20.3 "Pipeline").
 
 Captured tensors are copied into host buffers that are allocated once and reused, so the
 capture path does not allocate per step. With CUDA the buffers are pinned and the copies
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import time
-from typing import Any
 
 import torch
 
@@ -22,10 +21,11 @@ class BufferSet:
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.tensors: dict[str, torch.Tensor] = {}
-        self.event: Any = None
+        self.event: torch.cuda.Event | None = None
 
-    def buffer(self, name: str, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
-        shape = (numel,) if numel is not None else tuple(like.shape)
+    def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The buffer for ``name``, shaped and typed like ``like`` (reallocated if it is not)."""
+        shape = tuple(like.shape)
         buf = self.tensors.get(name)
         if buf is None or tuple(buf.shape) != shape or buf.dtype != like.dtype:
             buf = torch.empty(shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)

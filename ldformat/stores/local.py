@@ -1,10 +1,11 @@
-"""A chain in a local directory (spec §7.4 on a POSIX file system)."""
+"""A chain in a local directory (spec §7.4 on a POSIX file system; links: §21.2)."""
 
 from __future__ import annotations
 
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -13,9 +14,34 @@ import numpy as np
 from ..errors import CorruptChainError
 from .base import WRITEBACK_CHUNK, Part, Store, byte_view, check_relative_path
 
+#: How often making the parent directories and opening a new file is tried again when a
+#: concurrent :meth:`LocalStore.delete` removed a directory it emptied in between.
+_RACE_RETRIES = 100
+
+#: How many random names :meth:`LocalStore.create_exclusive` tries for its temporary file.
+_TMP_NAME_TRIES = 16
+
+
+def _no_object(target: Path, why: str) -> FileNotFoundError:
+    return FileNotFoundError(errno.ENOENT, f"{os.strerror(errno.ENOENT)} ({why})", str(target))
+
 
 class LocalStore(Store):
-    """A chain in a local directory, with explicit fsync of files and directories."""
+    """A chain in a local directory, with explicit fsync of files and directories.
+
+    Objects are files below ``root``; the directories between them are created on demand
+    and removed by :meth:`delete` when it empties them. Symbolic links below ``root`` are
+    refused by every method (spec §21.2); ``root`` itself may be one. See
+    :mod:`ldformat.stores.base` for the contract.
+
+    Args:
+        root: the chain directory; created by the first write if missing.
+
+    Example:
+        >>> store = LocalStore("runs/chain")                       # doctest: +SKIP
+        >>> store.write("anchors/0-0123abcd.safetensors", data)     # doctest: +SKIP
+        >>> store.sync(["anchors/0-0123abcd.safetensors"])          # doctest: +SKIP
+    """
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
@@ -44,8 +70,7 @@ class LocalStore(Store):
 
     def write_parts(self, path: str, parts: Sequence[Part]) -> None:
         target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = self._open_new(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         try:
             written = kicked = 0
             for part in parts:
@@ -61,6 +86,30 @@ class LocalStore(Store):
                 self._start_writeback(fd, kicked, written - kicked)
         finally:
             os.close(fd)
+
+    def _open_new(self, target: Path, flags: int) -> int:
+        """``os.open(target, flags)`` after creating the directories above ``target``.
+
+        A concurrent :meth:`delete` removes the directories it empties, possibly between the
+        two steps (or in the middle of the first): then both are done again.
+        """
+        for attempt in range(_RACE_RETRIES):
+            try:
+                os.makedirs(target.parent, exist_ok=True)
+            except FileExistsError:
+                # exist_ok only covers directories: an object (a file) has the name of one.
+                raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} (an object has this name)",
+                                         str(target.parent)) from None
+            except FileNotFoundError:
+                if attempt == _RACE_RETRIES - 1:
+                    raise
+                continue
+            try:
+                return os.open(target, flags, 0o644)
+            except FileNotFoundError:
+                if attempt == _RACE_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     @staticmethod
     def _start_writeback(fd: int, offset: int, length: int) -> None:
@@ -87,8 +136,20 @@ class LocalStore(Store):
     def sync(self, paths: Iterable[str]) -> None:
         targets = [self._abs(p) for p in paths]
         for target in targets:
-            self._fsync_path(target)
+            self._fsync_object(target)
         self._sync_dirs(targets)
+
+    def _fsync_object(self, target: Path) -> None:
+        try:
+            fd = os.open(target, os.O_RDONLY)
+        except NotADirectoryError:
+            raise _no_object(target, "an object has the name of a directory above it") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _no_object(target, "it is a directory")
+            self._fsync_fd(fd)
+        finally:
+            os.close(fd)
 
     def _sync_dirs(self, targets: list[Path]) -> None:
         dirs: set[Path] = set()
@@ -104,9 +165,7 @@ class LocalStore(Store):
 
     def create_exclusive(self, path: str, data: bytes) -> None:
         target = self._abs(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd, tmp = self._create_temporary(target)
         try:
             try:
                 self._write_fd(fd, memoryview(data))
@@ -116,6 +175,11 @@ class LocalStore(Store):
             # link() fails with EEXIST where rename() would silently replace.
             try:
                 os.link(tmp, target)
+            except FileExistsError:
+                if target.is_dir() and not target.is_symlink():
+                    # Not "another writer got there first": no object can ever be created here.
+                    raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target)) from None
+                raise
             except FileNotFoundError:
                 # Our temporary file was removed as garbage: that only happens once the name
                 # it was for is settled, i.e. exists. Report what link() would have.
@@ -129,13 +193,40 @@ class LocalStore(Store):
                 pass
         self._sync_dirs([target])
 
+    def _create_temporary(self, target: Path) -> tuple[int, Path]:
+        """Create ``.tmp-<name>-<8 hex>`` next to ``target`` (spec §7.4); its fd and path.
+
+        A name already taken (a crashed writer's leftover, or a concurrent call that drew
+        the same 32 random bits) does not mean that ``target`` exists: draw another name.
+        """
+        for _ in range(_TMP_NAME_TRIES):
+            tmp = target.parent / f".tmp-{target.name}-{secrets.token_hex(4)}"
+            try:
+                return self._open_new(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), tmp
+            except FileExistsError:
+                continue
+        raise OSError(f"{target.parent}: no free temporary name in {_TMP_NAME_TRIES} tries")
+
     def read(self, path: str) -> bytes:
-        return self._abs(path).read_bytes()
+        target = self._abs(path)
+        try:
+            return target.read_bytes()
+        except IsADirectoryError:
+            raise _no_object(target, "it is a directory") from None
+        except NotADirectoryError:
+            raise _no_object(target, "an object has the name of a directory above it") from None
 
     def read_buffer(self, path: str) -> np.ndarray:
         # One copy, from the page cache into uninitialized memory (a bytearray would be
         # zero-filled first: a second pass over the object).
-        with open(self._abs(path), "rb", buffering=0) as f:
+        target = self._abs(path)
+        try:
+            f = open(target, "rb", buffering=0)  # noqa: SIM115 (closed by the with below)
+        except IsADirectoryError:
+            raise _no_object(target, "it is a directory") from None
+        except NotADirectoryError:
+            raise _no_object(target, "an object has the name of a directory above it") from None
+        with f:
             size = os.fstat(f.fileno()).st_size
             buf = np.empty(size, np.uint8)
             got = 0
@@ -154,14 +245,22 @@ class LocalStore(Store):
         return buf
 
     def size(self, path: str) -> int:
-        return self._abs(path).stat().st_size
+        target = self._abs(path)
+        try:
+            st = target.stat()
+        except NotADirectoryError:
+            raise _no_object(target, "an object has the name of a directory above it") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _no_object(target, "it is a directory")
+        return st.st_size
 
     def list(self, prefix: str) -> list[str]:
+        # _abs refuses a prefix passing through a link; the root itself may be one (§21.2).
         base = self._abs(prefix) if prefix else self.root
-        if not base.is_dir() or base.is_symlink():
+        if not base.is_dir():
             return []
         out = []
-        for dirpath, _dirnames, filenames in os.walk(base):
+        for dirpath, _dirnames, filenames in os.walk(base):  # does not descend into links
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
                 if not os.path.islink(os.path.join(dirpath, name)):
@@ -172,10 +271,12 @@ class LocalStore(Store):
         target = self._abs(path)
         try:
             target.unlink()
-        except FileNotFoundError:
-            return
-        except IsADirectoryError:
-            return
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return  # no such object (nothing, a directory, or an object above it)
+        except PermissionError:
+            if target.is_dir():  # what some systems (macOS) say for unlink() of a directory
+                return
+            raise
         # Drop directories left empty, up to (not including) the root.
         parent = target.parent
         while parent != self.root:

@@ -1,0 +1,93 @@
+"""The background writer: one thread appends the captured steps in order (spec §20.3 "Pipeline").
+
+It takes the queued steps, encodes their extra state (JSON encoding stays off the training
+thread), waits for their copies, applies them to the replica (``lowdiff+``, §20.4) and
+appends them to the :class:`~ldformat.ChainWriter`, which commits every ``batch_steps``
+steps and at anchors. Its first exception is kept and it writes nothing more; the training
+thread raises it at its next call.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import replace
+from typing import NamedTuple
+
+from ..captured import CapturedStep
+from ..jsonvalue import encode
+from ..writer import ChainWriter
+from .replica import Replica
+from .staging import BufferPool, BufferSet, Stager
+from .tuning import CaptureStats, Tuning
+
+log = logging.getLogger("ldformat.capture")
+
+
+class Queued(NamedTuple):
+    """A finalized step on its way to the background writer."""
+
+    captured: CapturedStep  # its extra is encoded by the background writer, from raw_extra
+    raw_extra: dict[str, object]
+    buffers: BufferSet  # returned to the pool once the step is appended
+
+
+class BackgroundWriter:
+    """The thread that appends queued steps; started on construction, ended by :meth:`stop`."""
+
+    def __init__(self, writer: ChainWriter, pool: BufferPool, stats: CaptureStats, tuning: Tuning,
+                 replica: Replica | None) -> None:
+        self.writer = writer
+        self.pool = pool
+        self.stats = stats
+        self.tuning = tuning
+        self.replica = replica
+        self.error: BaseException | None = None
+        self.queue: queue.Queue[Queued | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="ldformat-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, item: Queued) -> None:
+        self.queue.put(item)
+
+    def join(self) -> None:
+        """Wait until every queued step is appended (or dropped after an error)."""
+        self.queue.join()
+
+    def stop(self) -> None:
+        """Let the thread finish the queued steps, then end it."""
+        self.queue.put(None)
+        self.thread.join()
+
+    def _run(self) -> None:
+        cpu_start = time.thread_time()
+        while True:
+            item = self.queue.get()
+            if item is None:
+                self.queue.task_done()
+                break
+            captured, raw_extra, buffers = item
+            started = time.perf_counter()
+            try:
+                if self.error is None:
+                    captured = replace(captured, extra=encode(raw_extra, "extra"))
+                    Stager.wait(buffers)
+                    commits = self.writer.commits
+                    if self.replica is not None:
+                        captured = self.replica.apply(captured)
+                    self.writer.append(captured)
+                    if self.writer.commits != commits:
+                        self.stats.commits += self.writer.commits - commits
+                    if captured.anchor:
+                        self.stats.anchors_written += 1
+                        self.tuning.anchor_write_s = time.perf_counter() - started
+            except BaseException as e:  # surfaced in the training thread at its next call
+                self.error = e
+                log.error("%s: checkpoint writer failed at step %d: %s", self.writer.path, captured.step, e)
+            finally:
+                self.stats.background_wall_s += time.perf_counter() - started
+                self.stats.background_cpu_s = time.thread_time() - cpu_start
+                self.pool.release(buffers)
+                self.queue.task_done()
