@@ -140,7 +140,6 @@ def _remove_garbage(reader: ChainReader, lock: WriterLock | None) -> list[str]:
 
 def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | None, keep_last: int | None,
              keep_every: int | None, progress: Callable[[str, int, int], None] | None) -> CompactionPlan:
-    dry_run = lock is None
     state = reader.state
     plan = CompactionPlan()
     if state.latest_step is None:

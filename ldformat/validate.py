@@ -15,10 +15,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from .errors import ChainError, NotAChainError
-from .reader import ChainReader
+from .checks import (
+    OptimizerRules,
+    Schema,
+    TensorMeta,
+    check_anchor,
+    check_extra,
+    check_hyper,
+    check_param_groups,
+    tensor_metas,
+    xor_step_changes,
+)
+from .errors import ChainError, CorruptChainError, LdformatError, NotAChainError
+from .jsonvalue import crc32c_hex
+from .log import ROOT_FILE, log_path, log_sequence_numbers
+from .reader import ChainReader, open_store
+from .replay import ProxyReplayer, _stand_in
 from .state import bits_view
 from .stores import Store
 
@@ -76,6 +91,11 @@ def _message(e: Exception) -> tuple[str, str]:
     return re.sub(r" \(step -?\d+\)$", "", head), rest
 
 
+#: Validations of one call: a validation that found a problem while the log moved (a
+#: concurrent commit, compaction or truncation) starts again, at most this many times in all.
+VALIDATE_ATTEMPTS = 5
+
+
 def validate(
     path: str | os.PathLike[str],
     deep: bool = False,
@@ -85,59 +105,229 @@ def validate(
 ) -> ValidationReport:
     """Check a chain and return a report (``report.ok``, ``report.problems``).
 
+    When the report is ok, every step it counts materializes (spec §18): besides every
+    record and object, the checks of :mod:`ldformat.checks` are run for every anchor and
+    step, and the optimizer of a gradient chain is stepped along every replay path on
+    one-element stand-ins (:class:`~ldformat.replay.ProxyReplayer`), without replaying the
+    real tensors. A validation that finds a problem re-reads the log; if the log moved
+    meanwhile (a writer committed, or a compaction or truncation replaced it), the problem
+    may come from reading two versions of the chain, so validation starts again (at most
+    :data:`VALIDATE_ATTEMPTS` times in all).
+
     Raises:
         NotAChainError: ``path`` is not a chain at all (nothing to validate).
     """
+    store = open_store(path, store)
     report = ValidationReport(path=str(path), deep=deep)
-    try:
-        reader = ChainReader(path, store=store)
-    except NotAChainError:
-        raise
-    except ChainError as e:
-        where, msg = _message(e)
-        report.problems.append(Problem(where or str(path), None, msg))
-        return report
-    state = reader.state
-    report.kind = reader.kind
-    report.steps = len(state.steps)
-    report.anchors = reader.anchors
-    report.latest_step = reader.latest_step
-
-    model_names = {f"model/{e['name']}" for e in reader.root.schema["model"] if e["alias_of"] is None}
-    anchors: dict[int, dict[str, torch.Tensor]] = {}
-    total = len(state.anchors) + len(state.delta_entries())
-    done = 0
-    for step, entry in sorted(state.anchors.items()):
-        try:
-            tensors = reader.load_anchor_tensors(step)
-            missing = model_names - set(tensors)
-            if missing:
-                report.problems.append(Problem(f"{reader.path}/{entry.object.path}", step,
-                                               f"anchor lacks {sorted(missing)[0]}"))
-            elif deep:
-                anchors[step] = tensors
-        except ChainError as e:
-            report.problems.append(Problem(_message(e)[0] or entry.object.path, step, _message(e)[1]))
-        done += 1
-        if progress:
-            progress("objects", done, total)
-    for d in state.delta_entries():
-        first = min(s.step for s in d.steps) if d.steps else None
-        try:
-            reader.load_batch(d, first)
-        except ChainError as e:
-            report.problems.append(Problem(_message(e)[0] or d.path, first, _message(e)[1]))
-        done += 1
-        if progress:
-            progress("objects", done, total)
-    for step in state.steps:
-        try:
-            state.replay_path(step)
-        except ChainError as e:
-            report.problems.append(Problem(reader.path, step, _message(e)[1]))
-    if deep and report.ok:
-        _deep_check(reader, anchors, report, progress)
+    for attempt in range(VALIDATE_ATTEMPTS):
+        head = _log_head(store)
+        report = _Validation(path, store, deep, progress).run()
+        if report.ok or attempt == VALIDATE_ATTEMPTS - 1:
+            break
+        if head is not None and _log_head(store) == head:
+            break  # the log did not move: the problems are the chain's own
     return report
+
+
+def _log_head(store: Store) -> tuple[int, str] | None:
+    """The newest record's number and the crc32c of its bytes; None while the log is changing."""
+    try:
+        seqs = log_sequence_numbers(store)
+        if not seqs:
+            return 0, ""
+        data = store.read(log_path(seqs[-1]))
+    except OSError:  # a record listed a moment ago vanished, or the log cannot be read now
+        return None
+    return seqs[-1], crc32c_hex(data)
+
+
+class _Validation:
+    """One pass over a chain as one fold of its log shows it."""
+
+    def __init__(self, path: str | os.PathLike[str], store: Store, deep: bool,
+                 progress: Callable[[str, int, int], None] | None) -> None:
+        self.path, self.store, self.deep, self.progress = path, store, deep, progress
+        self.report = ValidationReport(path=str(path), deep=deep)
+        # What the replay-path walk needs from the object checks:
+        self.roots: dict[int, dict[str, torch.Tensor]] = {}  # anchor -> its optimizer/... tensors (stand-ins)
+        self.metas: dict[int, dict[str, TensorMeta]] = {}  # anchor -> (dtype, shape) of its tensors
+        self.presence: dict[str, np.ndarray] = {}  # batch path -> counts >= 0, [rows, slots]
+        self.hyper: dict[int, list[Any] | None] = {}  # step -> decoded hyper (steps that passed)
+        self.stored: dict[int, dict[str, torch.Tensor]] = {}  # deep: anchor -> its tensors
+
+    def problem(self, where: str, step: int | None, e: BaseException | str) -> None:
+        if isinstance(e, BaseException):
+            if isinstance(e, LdformatError):
+                head, msg = _message(e)
+            else:  # a check that failed unexpectedly is still a problem of this chain
+                head, msg = "", f"{type(e).__name__}: {e}"
+            where = head or where
+        else:
+            msg = e
+        self.report.problems.append(Problem(where, step, msg))
+
+    def run(self) -> ValidationReport:
+        report = self.report
+        try:
+            reader = ChainReader(self.path, store=self.store)
+        except NotAChainError:
+            raise
+        except LdformatError as e:
+            self.problem(str(self.path), None, e)
+            return report
+        self.reader = reader
+        state = reader.state
+        report.kind = reader.kind
+        report.steps = len(state.steps)
+        report.anchors = reader.anchors
+        report.latest_step = reader.latest_step
+        root_where = f"{reader.path}/{ROOT_FILE}"
+        schema: Schema | None = None
+        self.rules: OptimizerRules | None = None
+        try:
+            schema = Schema.of(reader.root, reader.path)
+            if schema.gradient:
+                self.rules = OptimizerRules.of(schema, reader.root, root_where)
+        except (LdformatError, ValueError, TypeError) as e:
+            self.problem(root_where, None, e)
+        self.schema = schema
+        self.check_objects()
+        if schema is not None:
+            self.check_entries()
+        for step in state.steps:
+            try:
+                state.replay_path(step)
+            except ChainError as e:
+                self.problem(reader.path, step, e)
+        if schema is not None and (self.rules is not None or not schema.gradient):
+            self.walk()
+        if self.deep and report.ok:
+            _deep_check(reader, self.stored, report, self.progress)
+        return report
+
+    # -- objects (spec §18 checks 3-5) -------------------------------------------------------
+    def check_objects(self) -> None:
+        reader, state, schema = self.reader, self.reader.state, self.schema
+        total = len(state.anchors) + len(state.delta_entries())
+        done = 0
+        for step, entry in sorted(state.anchors.items()):
+            where = f"{reader.path}/{entry.object.path}"
+            try:
+                tensors = reader.load_anchor_tensors(step)
+                metas = tensor_metas(tensors)
+                if schema is not None:
+                    check_anchor(schema, entry, metas, where, self.rules)
+                else:
+                    model = {f"model/{e['name']}" for e in reader.root.schema.get("model", [])
+                             if isinstance(e, dict) and e.get("alias_of") is None}
+                    if model - set(tensors):
+                        raise CorruptChainError(f"{where}: anchor lacks {sorted(model - set(tensors))[0]}")
+                self.metas[step] = metas
+                self.roots[step] = {n: _stand_in(t) for n, t in tensors.items() if n.startswith("optimizer/")}
+                if self.deep:
+                    self.stored[step] = tensors
+            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as e:
+                self.problem(where, step, e)
+            done += 1
+            if self.progress:
+                self.progress("objects", done, total)
+        for d in state.delta_entries():
+            first = min(s.step for s in d.steps) if d.steps else None
+            try:
+                batch = reader.load_batch(d, first)
+                self.presence[d.path] = batch.counts >= 0
+            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as e:
+                self.problem(d.path, first, e)
+            done += 1
+            if self.progress:
+                self.progress("objects", done, total)
+
+    # -- JSON parts of every step entry (spec §18 check 6) -------------------------------------
+    def check_entries(self) -> None:
+        schema = self.schema
+        assert schema is not None  # run() calls this only with a schema
+        for step, (d, e) in sorted(self.reader.state.deltas.items()):
+            where = f"{self.reader.path}/{d.path}"
+            try:
+                self.hyper[step] = check_hyper(schema, e, where, self.rules)
+                check_param_groups(schema, e.param_groups, where, self.rules)
+                check_extra(e.extra, where)
+            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as err:
+                self.problem(where, step, err)
+
+    # -- replay paths (spec §18 check 8) ---------------------------------------------------------
+    def walk(self) -> None:
+        """Follow every replay path from every anchor that passed its checks, doing what replay
+        does to the set of tensors (state.xor) or to the optimizer on stand-ins (gradient kinds)."""
+        state = self.reader.state
+        children: dict[int, list[int]] = {}
+        for t, (_, e) in state.deltas.items():
+            children.setdefault(e.base, []).append(t)
+        self.children = children
+        for a in sorted(self.roots):
+            try:
+                start = self.start(a)
+            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as e:
+                self.problem(f"{self.reader.path}/{state.anchors[a].object.path}", a, e)
+                continue
+            stack: list[tuple[int, Any]] = [(a, start)]
+            while stack:
+                node, current = stack.pop()
+                kids = sorted(children.get(node, ()))
+                for k, c in enumerate(kids):
+                    # The last child continues with this state; the others get copies, taken before it changes.
+                    mine = current if k == len(kids) - 1 else self.copy(current)
+                    if self.apply(mine, c) and c not in state.anchors:
+                        stack.append((c, mine))
+
+    def start(self, anchor: int) -> Any:
+        entry = self.reader.state.anchors[anchor]
+        if self.rules is None:  # state.xor: the tensors' names, dtypes and shapes
+            return dict(self.metas[anchor])
+        assert self.schema is not None
+        where = f"{self.reader.path}/{entry.object.path}"
+        return ProxyReplayer(self.schema, self.rules, self.roots[anchor], entry.param_groups, where)
+
+    @staticmethod
+    def copy(current: Any) -> Any:
+        return current.copy() if isinstance(current, (dict, ProxyReplayer)) else current
+
+    def apply(self, current: Any, step: int) -> bool:
+        """Apply the delta of ``step`` to ``current``; False (and a problem) if replay could not."""
+        d, e = self.reader.state.deltas[step]
+        where = f"{self.reader.path}/{d.path}"
+        present = self.presence.get(d.path)
+        if present is None or step not in self.hyper:
+            return False  # its batch or entry has a problem already
+        row = [slot for j, slot in enumerate(d.slots) if present[e.row, j]]
+        try:
+            if isinstance(current, ProxyReplayer):
+                grads = {int(slot.name[len("grad/"):]) for slot in row if slot.name.startswith("grad/")}
+                current.apply(e, self.hyper[step], grads, where)
+            else:
+                removed, added = xor_step_changes(current, row, step, where)
+                for name in removed:
+                    del current[name]
+                for slot in added:
+                    current[slot.name] = (slot.dtype, slot.shape)
+        except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as err:
+            later = self.dependents(step)
+            if later:
+                err = CorruptChainError(f"{_message(err)[0] or where}: {_message(err)[1]} ({later} later step(s) "
+                                        "replay through this one)")
+            self.problem(where, step, err)
+            return False
+        return True
+
+    def dependents(self, step: int) -> int:
+        """How many committed steps replay through ``step``."""
+        anchors, n, todo = self.reader.state.anchors, 0, [step]
+        while todo:
+            for c in self.children.get(todo.pop(), ()):
+                if c not in anchors:
+                    n += 1
+                    todo.append(c)
+        return n
 
 
 def _deep_check(reader: ChainReader, anchors: dict[int, dict[str, torch.Tensor]], report: ValidationReport,
@@ -160,7 +350,7 @@ def _deep_check(reader: ChainReader, anchors: dict[int, dict[str, torch.Tensor]]
             replayer = reader.start_replay(a)
             reader.replay_steps(replayer, path)
             replayer.sync_optimizer_tensors()
-        except ChainError as e:
+        except LdformatError as e:
             report.problems.append(Problem(_message(e)[0] or where, b, _message(e)[1]))
             continue
         stored = anchors[b]

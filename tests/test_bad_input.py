@@ -25,7 +25,6 @@ from ldformat import (
     ChainReader,
     ChainWriter,
     CorruptChainError,
-    EmptyChainError,
     MissingObjectError,
     NotAChainError,
     StepNotFoundError,

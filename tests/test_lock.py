@@ -172,7 +172,7 @@ def test_cli_takeover_race_exit_codes(tmp_path: Path) -> None:
     """Two ``ldtools compact`` processes on one stale lock: one succeeds, one exits 4."""
     path = tmp_path / "chain"
     make_chain(path, steps=6)
-    for trial in range(2):
+    for _trial in range(2):
         plant_stale_lock(path)
         procs = [subprocess.Popen([sys.executable, "-m", "ldtools", "compact", str(path), "--max-replay", "2"],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]

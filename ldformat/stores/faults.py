@@ -244,7 +244,7 @@ class FaultyStore(Store):
         if fault is not None and fault.when == "before":
             raise _error(fault, op, [path])
         if op == "write":
-            self.inner.write(path, parts[0])
+            self.inner.write(path, byte_view(parts[0]))
         else:
             self.inner.write_parts(path, parts)
         if stall_after:

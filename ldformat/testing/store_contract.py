@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from ..errors import CorruptChainError
-from ..stores.base import WRITEBACK_CHUNK, Store
+from ..stores.base import WRITEBACK_CHUNK, Part, Store
 
 __all__ = ["UNSAFE_PATHS", "StoreContract"]
 
@@ -136,7 +136,7 @@ class StoreContract(Generic[StoreT]):
             "bytearray": bytearray(b"def"),
             "memoryview": memoryview(b"0123456789")[2:7],
             "memoryview-of-ints": memoryview(ints),
-            "memoryview-2d": memoryview(np.arange(6, dtype=np.uint16).reshape(2, 3)),
+            "memoryview-2d": np.arange(6, dtype=np.uint16).reshape(2, 3).data,
         }
         for name, data in cases.items():
             store.write(f"x/{name}", data)
@@ -171,7 +171,7 @@ class StoreContract(Generic[StoreT]):
         big = np.frombuffer(payload(1, WRITEBACK_CHUNK + 5), np.uint8)  # more than one writeback chunk
         other = bytearray(payload(2, WRITEBACK_CHUNK + 3))
         floats = np.arange(12, dtype=np.float32).reshape(3, 4)
-        parts = [b"header", big, memoryview(other)[3:], b"", floats, bytearray(b"tail")]
+        parts: list[Part] = [b"header", big, memoryview(other)[3:], b"", floats, bytearray(b"tail")]
         expected = b"header" + big.tobytes() + bytes(other[3:]) + floats.tobytes() + b"tail"
         store.write_parts("anchors/7-0123abcd.safetensors", parts)
         assert store.size("anchors/7-0123abcd.safetensors") == len(expected)
@@ -459,7 +459,8 @@ class StoreContract(Generic[StoreT]):
         opener = self.process_opener(store)
         if opener is None:
             pytest.skip(f"{type(self).__name__} does not open its storage from other processes")
-        ctx = multiprocessing.get_context(self.process_start_method)
+        # Any: typeshed's BaseContext lacks the Process, Barrier and Queue every context has.
+        ctx: Any = multiprocessing.get_context(self.process_start_method)
         names = [f"locks/{k:03d}.lock" for k in range(RACE_ROUNDS)]
         start = ctx.Barrier(RACERS)
         results = ctx.Queue()
