@@ -244,10 +244,17 @@ def _tagged_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(out) == 1 and "$tensor" in out:
         inner = out["$tensor"]
         data = inner.get("data") if isinstance(inner, dict) else None
-        if isinstance(data, str) and len(data) > MAX_INLINE_TENSOR_BASE64:
-            raise _Reject(f"a $tensor value with {len(data)} characters of base64 data, more than the "
+        if isinstance(data, str) and _base64_size(data) > MAX_INLINE_TENSOR_BYTES:
+            raise _Reject(f"a $tensor value with {_base64_size(data)} bytes of base64 data, more than the "
                           f"{MAX_INLINE_TENSOR_BYTES} bytes a tagged tensor may hold")
     return out
+
+
+def _base64_size(text: str) -> int:
+    """The number of bytes base64 ``text`` (RFC 4648, padded) decodes to, without decoding it."""
+    if len(text) > MAX_INLINE_TENSOR_BASE64 or len(text) % 4:
+        return len(text) * 3 // 4
+    return len(text) // 4 * 3 - text[-2:].count("=")
 
 
 def _check_nesting(doc: Any) -> None:

@@ -45,6 +45,14 @@ def _require(doc: dict[str, Any], key: str, types: type | tuple[type, ...], wher
     return value
 
 
+def _safe_path(path: str, where: str) -> str:
+    """``path`` if it is safe (spec §21.2); else corruption naming the record it came from."""
+    try:
+        return check_relative_path(path)
+    except CorruptChainError as e:
+        raise CorruptChainError(f"{where}: {e}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class ObjectRef:
     """A stored object with the size and crc32c a reader must verify."""
@@ -61,7 +69,7 @@ class ObjectRef:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: object reference is not an object")
         _check_fields(d, {"path", "size", "crc32c"}, where)
-        path = check_relative_path(_require(d, "path", str, where))
+        path = _safe_path(_require(d, "path", str, where), where)
         size = _require(d, "size", int, where)
         crc = _require(d, "crc32c", str, where)
         if size < 0 or not re.fullmatch(r"[0-9a-f]{8}", crc):
@@ -204,7 +212,7 @@ class DeltaEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: delta entry is not an object")
         _check_fields(d, {"path", "objects", "slots", "rows", "steps"}, where)
-        path = check_relative_path(_require(d, "path", str, where))
+        path = _safe_path(_require(d, "path", str, where), where)
         w = f"{where} delta {path}"
         rows = _require(d, "rows", int, w)
         steps = tuple(StepEntry.from_dict(s, w) for s in _require(d, "steps", list, w))

@@ -249,7 +249,7 @@ class ProxyReplayer:
         self.schema, self.rules = schema, rules
         self.params = [_leaf(torch.zeros((1,) * len(shape), dtype=parse_dtype(dtype)))
                        for dtype, shape in (schema.param_meta(i) for i in range(len(schema.params)))]
-        self.state = {i: {k: _stand_in(t) for k, t in s.items()} for i, s in optimizer_state(anchor, where).items()}
+        self.state = {i: {k: stand_in(t) for k, t in s.items()} for i, s in optimizer_state(anchor, where).items()}
         self.param_groups = param_groups
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -267,6 +267,7 @@ class ProxyReplayer:
             finally:
                 for p in self.params:
                     p.grad = None
+            live_optimizer_tensors(self.optimizer)  # what replay's result takes: tensors only (spec §12)
         self.param_groups = entry.param_groups
 
     def copy(self) -> ProxyReplayer:
@@ -276,7 +277,9 @@ class ProxyReplayer:
         return twin
 
 
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
+def stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor of ``t``'s dtype and number of dimensions; 0-dimensional tensors
+    (step counters) are kept with their value."""
     if t.dim() == 0:
         return t.detach().clone()
     return torch.zeros((1,) * t.dim(), dtype=t.dtype)

@@ -33,7 +33,7 @@ from .errors import ChainError, CorruptChainError, LdformatError, NotAChainError
 from .jsonvalue import crc32c_hex
 from .log import ROOT_FILE, log_path, log_sequence_numbers
 from .reader import ChainReader, open_store
-from .replay import ProxyReplayer, _stand_in
+from .replay import ProxyReplayer, stand_in
 from .state import bits_view
 from .stores import Store
 
@@ -129,6 +129,12 @@ def validate(
     return report
 
 
+def _reraise_unless_problem(e: Exception) -> None:
+    """I/O and memory errors are the caller's to handle; everything else is a problem of the chain."""
+    if isinstance(e, (OSError, MemoryError)) and not isinstance(e, LdformatError):
+        raise e
+
+
 def _log_head(store: Store) -> tuple[int, str] | None:
     """The newest record's number and the crc32c of its bytes; None while the log is changing."""
     try:
@@ -172,7 +178,8 @@ class _Validation:
             reader = ChainReader(self.path, store=self.store)
         except NotAChainError:
             raise
-        except LdformatError as e:
+        except Exception as e:
+            _reraise_unless_problem(e)
             self.problem(str(self.path), None, e)
             return report
         self.reader = reader
@@ -188,19 +195,20 @@ class _Validation:
             schema = Schema.of(reader.root, reader.path)
             if schema.gradient:
                 self.rules = OptimizerRules.of(schema, reader.root, root_where)
-        except (LdformatError, ValueError, TypeError) as e:
+        except Exception as e:
+            _reraise_unless_problem(e)
             self.problem(root_where, None, e)
         self.schema = schema
         self.check_objects()
         if schema is not None:
-            self.check_entries()
+            self.check_entries(schema)
         for step in state.steps:
             try:
                 state.replay_path(step)
             except ChainError as e:
                 self.problem(reader.path, step, e)
         if schema is not None and (self.rules is not None or not schema.gradient):
-            self.walk()
+            self.walk(schema)
         if self.deep and report.ok:
             _deep_check(reader, self.stored, report, self.progress)
         return report
@@ -223,10 +231,11 @@ class _Validation:
                     if model - set(tensors):
                         raise CorruptChainError(f"{where}: anchor lacks {sorted(model - set(tensors))[0]}")
                 self.metas[step] = metas
-                self.roots[step] = {n: _stand_in(t) for n, t in tensors.items() if n.startswith("optimizer/")}
+                self.roots[step] = {n: stand_in(t) for n, t in tensors.items() if n.startswith("optimizer/")}
                 if self.deep:
                     self.stored[step] = tensors
-            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as e:
+            except Exception as e:
+                _reraise_unless_problem(e)
                 self.problem(where, step, e)
             done += 1
             if self.progress:
@@ -236,27 +245,27 @@ class _Validation:
             try:
                 batch = reader.load_batch(d, first)
                 self.presence[d.path] = batch.counts >= 0
-            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as e:
+            except Exception as e:
+                _reraise_unless_problem(e)
                 self.problem(d.path, first, e)
             done += 1
             if self.progress:
                 self.progress("objects", done, total)
 
     # -- JSON parts of every step entry (spec §18 check 6) -------------------------------------
-    def check_entries(self) -> None:
-        schema = self.schema
-        assert schema is not None  # run() calls this only with a schema
+    def check_entries(self, schema: Schema) -> None:
         for step, (d, e) in sorted(self.reader.state.deltas.items()):
             where = f"{self.reader.path}/{d.path}"
             try:
                 self.hyper[step] = check_hyper(schema, e, where, self.rules)
                 check_param_groups(schema, e.param_groups, where, self.rules)
                 check_extra(e.extra, where)
-            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as err:
+            except Exception as err:
+                _reraise_unless_problem(err)
                 self.problem(where, step, err)
 
     # -- replay paths (spec §18 check 8) ---------------------------------------------------------
-    def walk(self) -> None:
+    def walk(self, schema: Schema) -> None:
         """Follow every replay path from every anchor that passed its checks, doing what replay
         does to the set of tensors (state.xor) or to the optimizer on stand-ins (gradient kinds)."""
         state = self.reader.state
@@ -266,8 +275,9 @@ class _Validation:
         self.children = children
         for a in sorted(self.roots):
             try:
-                start = self.start(a)
-            except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as e:
+                start = self.start(schema, a)
+            except Exception as e:
+                _reraise_unless_problem(e)
                 self.problem(f"{self.reader.path}/{state.anchors[a].object.path}", a, e)
                 continue
             stack: list[tuple[int, Any]] = [(a, start)]
@@ -280,13 +290,12 @@ class _Validation:
                     if self.apply(mine, c) and c not in state.anchors:
                         stack.append((c, mine))
 
-    def start(self, anchor: int) -> Any:
+    def start(self, schema: Schema, anchor: int) -> Any:
         entry = self.reader.state.anchors[anchor]
         if self.rules is None:  # state.xor: the tensors' names, dtypes and shapes
             return dict(self.metas[anchor])
-        assert self.schema is not None
         where = f"{self.reader.path}/{entry.object.path}"
-        return ProxyReplayer(self.schema, self.rules, self.roots[anchor], entry.param_groups, where)
+        return ProxyReplayer(schema, self.rules, self.roots[anchor], entry.param_groups, where)
 
     @staticmethod
     def copy(current: Any) -> Any:
@@ -310,7 +319,8 @@ class _Validation:
                     del current[name]
                 for slot in added:
                     current[slot.name] = (slot.dtype, slot.shape)
-        except (LdformatError, ValueError, TypeError, KeyError, RuntimeError) as err:
+        except Exception as err:
+            _reraise_unless_problem(err)
             later = self.dependents(step)
             if later:
                 err = CorruptChainError(f"{_message(err)[0] or where}: {_message(err)[1]} ({later} later step(s) "

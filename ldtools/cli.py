@@ -89,10 +89,32 @@ def _errno_text(e: OSError) -> str:
     return f"{cause} [{name}]" if name else cause
 
 
+def _write_all(stream: Any, text: str) -> None:
+    """Write ``text`` and flush, failing on a short write.
+
+    Python's text layer ignores the count a buffered binary write returns, and that write
+    returns a short count, without an error, when the disk fills up half-way: the rest of the
+    output would be lost silently. The bytes go to the binary buffer in a loop instead.
+    """
+    buffer = getattr(stream, "buffer", None)
+    if buffer is None:  # a text-only stream (an IDE, a test double)
+        stream.write(text)
+        stream.flush()
+        return
+    stream.flush()  # anything already written through the text layer goes first
+    data = memoryview(text.encode(getattr(stream, "encoding", None) or "utf-8", "backslashreplace"))
+    while data:
+        n = buffer.write(data)
+        if not n:
+            raise OSError(errno.EIO, "short write")
+        data = data[n:]
+    buffer.flush()
+
+
 def _echo(message: str = "") -> None:
     """Print one line on stdout; an error writing it (other than a closed pipe) is an output error."""
     try:
-        click.echo(printable(message, sys.stdout))
+        _write_all(sys.stdout, printable(message, sys.stdout) + "\n")
     except OSError as e:
         if _is_broken_pipe(e):
             raise

@@ -216,9 +216,10 @@ def test_a_record_at_the_size_limit_is_read(tmp_path: Path) -> None:
     assert ChainReader(chain).steps == ChainReader(golden_chain("grad.dense")).steps
 
 
-def test_oversize_tagged_tensor_is_refused_while_parsing(tmp_path: Path) -> None:
-    data = base64.b64encode(bytes(MAX_INLINE_TENSOR_BYTES + 3)).decode()
-    value = {"$tensor": {"dtype": "uint8", "shape": [MAX_INLINE_TENSOR_BYTES + 3], "data": data}}
+@pytest.mark.parametrize("extra", [1, 2, 3, 1 << 20])
+def test_oversize_tagged_tensor_is_refused_while_parsing(tmp_path: Path, extra: int) -> None:
+    data = base64.b64encode(bytes(MAX_INLINE_TENSOR_BYTES + extra)).decode()
+    value = {"$tensor": {"dtype": "uint8", "shape": [MAX_INLINE_TENSOR_BYTES + extra], "data": data}}
     chain, rel = valid_hostile_record(tmp_path, value)
     open_fails(chain, rel, match="$tensor")
 

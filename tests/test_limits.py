@@ -369,7 +369,8 @@ def chunk_grid_shape(meta: dict[str, Any], n: int, c: int) -> None:
     ("indices", lambda m: m.update(data_type="int64"), "indices is uint32"),
     ("counts", lambda m: m.update(data_type="int32"), "counts is int64"),
     ("counts", lambda m: m.update(shape=[1 << 30, 3]), "counts has shape [1073741824, 3], expected [3, 3]"),
-    ("values_u16", lambda m: m.update(shape=[4, 1]), "has 2 dimensions"),
+    ("values_u16", lambda m: m.update(shape=[4, 1], chunk_grid={"name": "regular", "configuration": {
+        "chunk_shape": [4, 1]}}), "has 2 dimensions"),
     ("values_u32", lambda m: m.update(node_type="group"), "not Zarr v3 array metadata"),
     ("values_u32", lambda m: m["codecs"].insert(1, {"name": "sharding_indexed", "configuration": {}}),
      "decodes only bytes"),
@@ -417,13 +418,13 @@ def replace_chunk(objects: dict[str, bytes], key: str, frame: bytes) -> None:
 def test_a_blosc_frame_declaring_another_size_is_refused_before_decompressing() -> None:
     slots, objects = small_batch()
     replace_chunk(objects, "values_u32/c/0", Blosc(cname="zstd").encode(np.zeros(1 << 20, np.uint32)))
-    with pytest.raises(CorruptChainError, match="declares 4194304 decompressed bytes; its chunk shape gives 44"):
+    with pytest.raises(CorruptChainError, match="declares 4194304 decompressed bytes; its chunk shape gives 36"):
         decode_batch(objects, slots, 3, "b")
 
 
 def test_a_blosc_header_lying_about_its_compressed_size_is_refused() -> None:
     slots, objects = small_batch()
-    frame = bytearray(Blosc(cname="zstd").encode(np.arange(11, dtype=np.uint32)))
+    frame = bytearray(Blosc(cname="zstd").encode(np.arange(9, dtype=np.uint32)))
     frame[12:16] = (len(frame) + 100).to_bytes(4, "little")
     replace_chunk(objects, "values_u32/c/0", bytes(frame))
     with pytest.raises(CorruptChainError, match="malformed blosc header"):
@@ -507,7 +508,7 @@ def test_arrays_longer_than_the_counts_are_refused_by_partial_and_full_decoding(
     slots, objects = small_batch()
     with_counts(objects, (3, 3), lambda c: c.__setitem__((2, 1), -1))  # 3 values left over at the end
     for wanted in (None, range(0, 1)):
-        with pytest.raises(CorruptChainError, match="values_u32 has 11 elements; the counts of the batch give 8"):
+        with pytest.raises(CorruptChainError, match="values_u32 has 9 elements; the counts of the batch give 6"):
             decode_batch(objects, slots, 3, "b", wanted)
 
 
@@ -562,9 +563,9 @@ def corrupted_batches(draw: Any) -> tuple[tuple[SlotInfo, ...], dict[str, bytes]
         with_counts(objects, (n_rows, n_slots), lambda c: c.__setitem__((r, j), value))
     elif how in ("index", "gap") and "indices/zarr.json" in objects:
         keys = sorted(k for k in objects if k.startswith("indices/c/"))
-        key = draw(st.sampled_from(keys))
-        gaps = np.frombuffer(Blosc().decode(objects[key][:-4]), np.uint32).copy()
-        if len(gaps):
+        key = draw(st.sampled_from(keys)) if keys else None
+        gaps = np.frombuffer(Blosc().decode(objects[key][:-4]), np.uint32).copy() if key else np.zeros(0)
+        if key and len(gaps):
             gaps[draw(st.integers(0, len(gaps) - 1))] = 0 if how == "gap" else 1 << 31
             objects[key] = chunk(Blosc(cname="zstd", typesize=4).encode(gaps))
     return slots, objects, n_rows

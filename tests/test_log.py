@@ -1,0 +1,66 @@
+"""The commit log module (spec §7): records name themselves in errors, sizes are bounded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_lock import make_chain
+
+import ldformat
+from ldformat import ChainReader, CorruptChainError
+from ldformat.errors import FormatError
+from ldformat.jsonvalue import MAX_RECORD_BYTES, canonical, with_checksum
+from ldformat.log import commit_record, log_path, read_log
+from ldformat.stores import LocalStore
+
+
+def rewrite_record(path: Path, seq: int, change) -> Path:  # type: ignore[no-untyped-def]
+    rel = path / log_path(seq)
+    doc = json.loads(rel.read_text())
+    doc.pop("checksum")
+    change(doc)
+    rel.write_bytes(canonical(with_checksum(doc)) + b"\n")
+    return rel
+
+
+def test_unsafe_path_error_names_the_record(tmp_path: Path) -> None:
+    path = tmp_path / "chain"
+    make_chain(path)
+    seqs = sorted(int(p.stem) for p in (path / "log").glob("*.json"))
+    rel = rewrite_record(path, seqs[-1], lambda d: d["deltas"][0].update(path="deltas/../../etc"))
+    with pytest.raises(CorruptChainError) as info:
+        ChainReader(path)
+    assert rel.name in str(info.value) and "unsafe object path" in str(info.value)
+    report = ldformat.validate(path)
+    assert not report.ok and rel.name in str(report.problems[0])
+
+
+def test_oversized_record_is_refused_before_reading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "chain"
+    make_chain(path)
+    seqs = sorted(int(p.stem) for p in (path / "log").glob("*.json"))
+    rel = path / log_path(seqs[-1])
+    with rel.open("ab") as f:
+        f.truncate(MAX_RECORD_BYTES + 1)  # sparse: no disk used
+    store = LocalStore(path)
+    reads: list[str] = []
+    original = store.read
+    monkeypatch.setattr(store, "read", lambda p: reads.append(p) or original(p))
+    with pytest.raises(FormatError) as info:
+        read_log(store, str(path))
+    assert rel.name in str(info.value) and str(MAX_RECORD_BYTES) in str(info.value)
+    assert log_path(seqs[-1]) not in reads, "the oversized record was read into memory"
+
+
+def test_writer_refuses_a_record_readers_would_refuse(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "chain"
+    make_chain(path)
+    store = LocalStore(path)
+    _, state = read_log(store, str(path))
+    monkeypatch.setattr("ldformat.log.MAX_RECORD_BYTES", 100)
+    with pytest.raises(ldformat.ChainError, match="more than the 100 readers accept"):
+        commit_record(store, str(path), state, None, type="append", reason="append")
+    monkeypatch.undo()
+    assert ChainReader(path).records[-1].seq == state.last_seq
