@@ -100,9 +100,12 @@ class AnchorEntry:
             raise CorruptChainError(f"{where}: anchor entry is not an object")
         _check_fields(d, {"step", "object", "param_groups", "extra"}, where)
         step = _require(d, "step", int, where)
+        ref = ObjectRef.from_dict(d.get("object"), f"{where} anchor {step}")
+        if not ref.path.startswith("anchors/"):
+            raise CorruptChainError(f"{where}: anchor {step} names {ref.path!r}, outside anchors/ (spec §4.2)")
         return cls(
             step=step,
-            object=ObjectRef.from_dict(d.get("object"), f"{where} anchor {step}"),
+            object=ref,
             param_groups=_require(d, "param_groups", list, where),
             extra=_require(d, "extra", dict, where),
         )
@@ -213,6 +216,8 @@ class DeltaEntry:
             raise CorruptChainError(f"{where}: delta entry is not an object")
         _check_fields(d, {"path", "objects", "slots", "rows", "steps"}, where)
         path = _safe_path(_require(d, "path", str, where), where)
+        if not path.startswith("deltas/"):
+            raise CorruptChainError(f"{where}: delta entry names {path!r}, outside deltas/ (spec §4.2)")
         w = f"{where} delta {path}"
         rows = _require(d, "rows", int, w)
         steps = tuple(StepEntry.from_dict(s, w) for s in _require(d, "steps", list, w))
