@@ -1,13 +1,16 @@
 """I/O faults injected through the store (DESIGN §6): disk full, permission, I/O errors.
 
-Tests run as root, where permissions do not bite, so faults come from a
-:class:`~ldformat.stores.LocalStore` subclass that raises ``OSError`` from one primitive of
-the commit protocol once it has succeeded ``after`` times (and keeps failing: a full disk
-stays full). A real ``EFBIG`` comes from ``RLIMIT_FSIZE`` in a subprocess.
+Tests run as root, where permissions do not bite, so faults come from
+:class:`~ldformat.stores.FaultyStore` wrapping a :class:`~ldformat.stores.LocalStore`: one
+rule makes one primitive of the commit protocol raise ``OSError`` once it has succeeded
+``after`` times on matching paths (and keep failing: a full disk stays full). Failures inside
+``LocalStore``'s own exclusive create (its temporary file half-written, or its fsync) are in
+``test_stores.py``. A real ``EFBIG`` comes from ``RLIMIT_FSIZE`` in a subprocess.
 
 After a fault the writer must raise :class:`ldformat.WriterIOError` naming the path and
 errno, keep raising, and leave a chain that a plain reader validates and materializes
-exactly at its last commit; a writer re-opened on a healthy store continues it.
+exactly at its last commit; a writer re-opened on a healthy store continues it. A failed
+creation leaves nothing behind, and creating the chain again works.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +30,8 @@ from models import assert_state_bits_equal, snapshot
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, WriterIOError
-from ldformat.stores import LocalStore, byte_view
+from ldformat.log import current_lock
+from ldformat.stores import WRITES, Fault, FaultyStore, LocalStore
 
 HERE = Path(__file__).resolve().parent
 BATCH_STEPS = 3
@@ -43,88 +46,39 @@ def _one_thread() -> Any:
         yield
 
 
-class FaultyStore(LocalStore):
-    """Raises ``OSError(err)`` from operation ``op`` once ``after`` calls of it succeeded.
+def fault(name: str, err: int, *, after: int = 0) -> Fault:
+    """A fresh rule for the fault ``name`` (``op:what``) raising ``err`` after ``after`` calls.
 
-    Operations: ``write:anchor`` / ``write:delta`` (data objects; half the bytes are
-    written before the error, like a disk filling up mid-file), ``fsync:data`` (the fsyncs
-    of :meth:`sync`), ``create:record`` (creating a commit record is refused outright,
-    e.g. EACCES on ``log/``), ``write:record`` / ``fsync:record`` (the record's temporary
-    file), ``fsync:log-dir`` (the log directory, *after* the record was linked into
-    place), ``create:root`` and ``create:lock``. Calls are counted only while armed.
+    ``write:anchor`` / ``write:delta``: writing a data object fails half-way (half its bytes
+    are written first, like a disk filling up mid-file); ``fsync:data``: syncing the data
+    objects of a commit; ``create:record``: creating a commit record is refused outright
+    (e.g. EACCES on ``log/``); ``write:record`` / ``fsync:record``: creating it fails inside
+    (the temporary file cannot be written or synced; nothing becomes visible);
+    ``fsync:log-dir``: the record was linked into place, then syncing ``log/`` fails (the
+    record is visible); ``create:root`` and ``create:lock``: creating ``ldformat.json`` or a
+    lock generation fails.
     """
+    rules: dict[str, Fault] = {
+        "write:anchor": Fault(ops=WRITES, path="anchors/*", error=err, after=after, torn=0.5),
+        "write:delta": Fault(ops=WRITES, path="deltas/*", error=err, after=after, torn=0.5),
+        "fsync:data": Fault(ops=("sync",), error=err, after=after),
+        "create:record": Fault(ops=("create_exclusive",), path="log/*", error=err, after=after),
+        "write:record": Fault(ops=("create_exclusive",), path="log/*", error=err, after=after),
+        "fsync:record": Fault(ops=("create_exclusive",), path="log/*", error=err, after=after),
+        "fsync:log-dir": Fault(ops=("create_exclusive",), path="log/*", error=err, after=after, when="after"),
+        "create:root": Fault(ops=("create_exclusive",), path="ldformat.json", error=err, after=after),
+        "create:lock": Fault(ops=("create_exclusive",), path="lock/*", error=err, after=after),
+    }
+    return rules[name]
 
-    def __init__(self, root: Path, op: str, err: int, *, after: int = 0, armed: bool = True) -> None:
-        super().__init__(root)
-        self.op, self.err, self.after, self.armed = op, err, after, armed
-        self.calls = 0
-        self.failures = 0
-        self._ctx: str | None = None
-        self._budget: int | None = None  # bytes the object being written may still write
 
-    def arm(self) -> None:
-        self.armed = True
+def faulty(path: Path, rule: Fault, *, armed: bool = True) -> FaultyStore:
+    """The chain directory ``path`` behind a store that injects ``rule`` (once armed)."""
+    return FaultyStore(LocalStore(path), [rule], armed=armed)
 
-    def _check(self, op: str) -> bool:
-        if not self.armed or op != self.op:
-            return False
-        self.calls += 1
-        if self.calls <= self.after:
-            return False
-        self.failures += 1
-        return True
 
-    def _error(self) -> OSError:
-        return OSError(self.err, os.strerror(self.err))
-
-    def write_parts(self, path: str, parts: Any) -> None:
-        # LocalStore.write goes through here too; anchors are streamed part by part.
-        self._ctx = "anchor" if path.startswith("anchors/") else "delta" if path.startswith("deltas/") else None
-        op = {"anchor": "write:anchor", "delta": "write:delta"}.get(self._ctx or "")
-        # One count per object, however many parts it is written in; a failing object gets
-        # half its bytes written first.
-        self._budget = sum(len(byte_view(p)) for p in parts) // 2 if op is not None and self._check(op) else None
-        try:
-            super().write_parts(path, parts)
-        finally:
-            self._ctx, self._budget = None, None
-
-    def _write_fd(self, fd: int, data: memoryview) -> None:
-        if self._ctx == "record" and self._check("write:record"):
-            super()._write_fd(fd, data[: len(data) // 2])
-            raise self._error()
-        if self._budget is not None:
-            if len(data) >= self._budget:
-                super()._write_fd(fd, data[: self._budget])
-                raise self._error()
-            self._budget -= len(data)
-        super()._write_fd(fd, data)
-
-    def sync(self, paths: Iterable[str]) -> None:
-        self._ctx = "sync"
-        try:
-            super().sync(paths)
-        finally:
-            self._ctx = None
-
-    def _fsync_fd(self, fd: int) -> None:
-        op = {"sync": "fsync:data", "record": "fsync:record", "record-dir": "fsync:log-dir"}.get(self._ctx or "")
-        if self._ctx == "record":
-            self._ctx = "record-dir"  # create_exclusive's next fsync is the directory's
-        if op is not None and self._check(op):
-            raise self._error()
-        super()._fsync_fd(fd)
-
-    def create_exclusive(self, path: str, data: bytes) -> None:
-        op = "create:record" if path.startswith("log/") else {"ldformat.json": "create:root",
-                                                              "writer.lock": "create:lock"}.get(path)
-        if op is not None and self._check(op):
-            raise self._error()
-        self._ctx = "record" if path.startswith("log/") else None
-        try:
-            super().create_exclusive(path, data)
-        finally:
-            self._ctx = None
+def lock_released(path: Path) -> bool:
+    return current_lock(LocalStore(path)) is None
 
 
 # -- helpers -----------------------------------------------------------------------------
@@ -188,7 +142,7 @@ def resume_and_continue(path: Path, kind: str, latest: int, live: dict[int, dict
         writer.record_step(s)
         appended[s] = snapshot(model, optimizer)
     assert writer.close() == latest + extra_steps
-    assert not (path / "writer.lock").exists()
+    assert lock_released(path)
     report = ldformat.validate(path)
     assert report.ok, [str(p) for p in report.problems]
     final = ChainReader(path)
@@ -216,15 +170,16 @@ def train_until_fault(path: Path, kind: str, store: FaultyStore) -> tuple[ChainW
         except WriterIOError as e:
             return writer, e, s, durable, live
         durable = writer.durable_step
-    raise AssertionError(f"{store.op} never failed in {MAX_STEPS} steps ({store.calls} calls)")
+    rule = store.faults[0]
+    raise AssertionError(f"{rule.ops} on {rule.path} never failed in {MAX_STEPS} steps ({rule.calls} calls)")
 
 
 # -- faults while recording --------------------------------------------------------------
 MID_RUN = {
-    # op: (errno, successful calls before the fault, what the message must name)
+    # fault: (errno, successful calls before the fault, what the message must name)
     "write:delta": (errno.ENOSPC, 9, "/deltas/"),
     "write:anchor": (errno.ENOSPC, 1, "/anchors/"),
-    "fsync:data": (errno.EIO, 20, None),
+    "fsync:data": (errno.EIO, 3, None),
     "create:record": (errno.EACCES, 3, "/log/"),
     "write:record": (errno.ENOSPC, 4, "/log/"),
     "fsync:record": (errno.EIO, 2, "/log/"),
@@ -237,7 +192,7 @@ def test_fault_while_recording_keeps_the_last_commit(tmp_path: Path, kind: str, 
     err, after, names = MID_RUN[op]
     path = tmp_path / "chain"
     path.mkdir()
-    store = FaultyStore(path, op, err, after=after, armed=False)
+    store = faulty(path, fault(op, err, after=after), armed=False)
     writer, e, failed_at, durable, live = train_until_fault(path, kind, store)
     assert_clear_io_error(e, path, err, names)
     assert store.failures == 1
@@ -255,7 +210,7 @@ def test_fault_while_recording_keeps_the_last_commit(tmp_path: Path, kind: str, 
     assert store.failures == 1, "a failed writer attempted more I/O"
     assert tree_digest(path) == before
     assert writer.close() == durable
-    assert not (path / "writer.lock").exists(), "close() of a failed writer kept the lock"
+    assert lock_released(path), "close() of a failed writer kept the lock"
 
     # Nothing committed is lost; a plain reader sees the chain at its last commit.
     check_chain_at(path, durable, live)
@@ -277,7 +232,7 @@ def test_fault_in_a_reopened_writer(tmp_path: Path, kind: str) -> None:
     assert writer.close() == 3
     model, optimizer, topk = cw.make_training(kind)
     ChainReader(path).load_into(model, optimizer, compressor=topk)
-    store = FaultyStore(path, "fsync:data", errno.EIO)
+    store = faulty(path, fault("fsync:data", errno.EIO))
     writer = ChainWriter.open(path, model, optimizer, compressor=topk, batch_steps=BATCH_STEPS,
                               anchor_every=ANCHOR_EVERY, store=store)
     with pytest.raises(WriterIOError) as info:
@@ -298,13 +253,13 @@ def test_fault_after_the_record_is_linked(tmp_path: Path, kind: str) -> None:
     # a power cut, but as files stand it is visible and must be complete and exact.
     path = tmp_path / "chain"
     path.mkdir()
-    store = FaultyStore(path, "fsync:log-dir", errno.EIO, after=2, armed=False)
+    store = faulty(path, fault("fsync:log-dir", errno.EIO, after=2), armed=False)
     writer, e, failed_at, durable, live = train_until_fault(path, kind, store)
     assert_clear_io_error(e, path, errno.EIO, "/log/")
     with pytest.raises(WriterIOError):
         writer.record_step(failed_at + 1)
     writer.close()
-    assert not (path / "writer.lock").exists()
+    assert lock_released(path)
     check_chain_at(path, failed_at, live)
     resume_and_continue(path, kind, failed_at, live)
 
@@ -313,7 +268,7 @@ def test_close_surfaces_a_failed_final_commit(tmp_path: Path) -> None:
     kind = "grad.dense"
     path = tmp_path / "chain"
     path.mkdir()
-    store = FaultyStore(path, "write:delta", errno.ENOSPC, armed=False)
+    store = faulty(path, fault("write:delta", errno.ENOSPC), armed=False)
     model, optimizer, _ = cw.make_training(kind)
     writer = ChainWriter.create(path, model, optimizer, kind=kind, batch_steps=100, store=store)
     live = {0: snapshot(model, optimizer)}
@@ -325,35 +280,49 @@ def test_close_surfaces_a_failed_final_commit(tmp_path: Path) -> None:
     with pytest.raises(WriterIOError) as info:
         writer.close()
     assert_clear_io_error(info.value, path, errno.ENOSPC, "/deltas/")
-    assert not (path / "writer.lock").exists(), "close() kept the lock after a failed commit"
+    assert lock_released(path), "close() kept the lock after a failed commit"
     check_chain_at(path, 0, live)
     resume_and_continue(path, kind, 0, live)
 
 
 # -- faults while creating or opening ------------------------------------------------------
+def create_again_and_continue(path: Path, kind: str, steps: int = 3) -> None:
+    """After a failed creation: no chain and no lock are left, and creating it again works."""
+    assert not (path / "ldformat.json").exists(), "a failed create() left a chain behind"
+    assert lock_released(path), "a failed create() kept the writer lock"
+    model, optimizer, topk = cw.make_training(kind)
+    writer = ChainWriter.create(path, model, optimizer, kind=kind, compressor=topk, batch_steps=BATCH_STEPS)
+    live = {0: snapshot(model, optimizer)}
+    for s in range(1, steps + 1):
+        cw.train(model, optimizer, topk, s)
+        writer.record_step(s)
+        live[s] = snapshot(model, optimizer)
+    assert writer.close() == steps
+    check_chain_at(path, steps, live)
+
+
 def test_create_fails_on_the_root_file(tmp_path: Path) -> None:
     path = tmp_path / "chain"
     path.mkdir()
     model, optimizer, _ = cw.make_training("grad.dense")
     with pytest.raises(WriterIOError) as info:
         ChainWriter.create(path, model, optimizer, kind="grad.dense",
-                           store=FaultyStore(path, "create:root", errno.ENOSPC))
+                           store=faulty(path, fault("create:root", errno.ENOSPC)))
     assert files_under(path) == []
     assert_clear_io_error(info.value, path, errno.ENOSPC, "ldformat.json")
-    writer = ChainWriter.create(path, model, optimizer, kind="grad.dense")
-    assert writer.close() == 0
+    create_again_and_continue(path, "grad.dense")
 
 
 def test_create_fails_on_the_lock(tmp_path: Path) -> None:
     path = tmp_path / "chain"
     path.mkdir()
     model, optimizer, _ = cw.make_training("grad.dense")
-    live = {0: snapshot(model, optimizer)}
     with pytest.raises(OSError) as info:
         ChainWriter.create(path, model, optimizer, kind="grad.dense",
-                           store=FaultyStore(path, "create:lock", errno.ENOSPC))
-    assert_clear_io_error(info.value, path, errno.ENOSPC, "writer.lock")
-    resume_and_continue(path, "grad.dense", 0, live)
+                           store=faulty(path, fault("create:lock", errno.ENOSPC)))
+    assert_clear_io_error(info.value, path, errno.ENOSPC, "/lock/")
+    assert files_under(path) == []
+    create_again_and_continue(path, "grad.dense")
 
 
 @pytest.mark.parametrize("op", ["write:anchor", "create:record"])
@@ -361,15 +330,13 @@ def test_create_fails_on_the_first_anchor(tmp_path: Path, op: str) -> None:
     path = tmp_path / "chain"
     path.mkdir()
     model, optimizer, _ = cw.make_training("grad.dense")
-    live = {0: snapshot(model, optimizer)}
     with pytest.raises(WriterIOError) as info:
         ChainWriter.create(path, model, optimizer, kind="grad.dense",
-                           store=FaultyStore(path, op, errno.ENOSPC))
+                           store=faulty(path, fault(op, errno.ENOSPC)))
     assert_clear_io_error(info.value, path, errno.ENOSPC)
-    # The failed create must not leave this (live) process holding the lock: the message
-    # says to re-open the chain, and that must work without breaking the lock.
-    assert not (path / "writer.lock").exists(), "a failed create() kept the writer lock"
-    resume_and_continue(path, "grad.dense", 0, live)
+    # The failed create must not leave this (live) process holding the lock, nor a chain
+    # without its first record: creating again must work without breaking a lock.
+    create_again_and_continue(path, "grad.dense")
 
 
 def test_open_fails_on_the_lock(tmp_path: Path) -> None:
@@ -379,8 +346,8 @@ def test_open_fails_on_the_lock(tmp_path: Path) -> None:
     ChainWriter.create(path, model, optimizer, kind="grad.dense").close()
     before = tree_digest(path)
     with pytest.raises(OSError) as info:
-        ChainWriter.open(path, model, optimizer, store=FaultyStore(path, "create:lock", errno.EIO))
-    assert_clear_io_error(info.value, path, errno.EIO, "writer.lock")
+        ChainWriter.open(path, model, optimizer, store=faulty(path, fault("create:lock", errno.EIO)))
+    assert_clear_io_error(info.value, path, errno.EIO, "/lock/")
     assert tree_digest(path) == before
     resume_and_continue(path, "grad.dense", 0, live)
 

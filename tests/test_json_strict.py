@@ -196,23 +196,26 @@ def test_an_unpaired_surrogate_escape_is_refused(tmp_path: Path) -> None:
     open_fails(chain, rel, match="surrogate")
 
 
-def test_a_record_over_the_size_limit_is_refused(tmp_path: Path) -> None:
+def record_of_size(tmp_path: Path, size: int) -> tuple[Path, str]:
+    """A chain whose newest record is canonical, has a valid checksum and is exactly ``size`` bytes long."""
     chain = copy_chain("grad.dense", tmp_path)
     path = last_record(chain)
-    data = path.read_bytes()
-    # Whitespace keeps it a valid record with a valid checksum: only the size limit refuses it.
-    path.write_bytes(data[:-1] + b" " * (MAX_RECORD_BYTES - len(data) + 1) + b"\n")
-    assert path.stat().st_size == MAX_RECORD_BYTES + 1
-    message = open_fails(chain, path.relative_to(chain).as_posix())
+    doc = json.loads(path.read_bytes())
+    set_extra(doc, "")
+    set_extra(doc, "x" * (size - len(record_bytes(doc))))
+    path.write_bytes(record_bytes(doc))
+    assert path.stat().st_size == size
+    return chain, path.relative_to(chain).as_posix()
+
+
+def test_a_record_over_the_size_limit_is_refused(tmp_path: Path) -> None:
+    chain, rel = record_of_size(tmp_path, MAX_RECORD_BYTES + 1)
+    message = open_fails(chain, rel)
     assert str(MAX_RECORD_BYTES) in message
 
 
 def test_a_record_at_the_size_limit_is_read(tmp_path: Path) -> None:
-    chain = copy_chain("grad.dense", tmp_path)
-    path = last_record(chain)
-    data = path.read_bytes()
-    path.write_bytes(data[:-1] + b" " * (MAX_RECORD_BYTES - len(data)) + b"\n")
-    assert path.stat().st_size == MAX_RECORD_BYTES
+    chain, _ = record_of_size(tmp_path, MAX_RECORD_BYTES)
     assert ChainReader(chain).steps == ChainReader(golden_chain("grad.dense")).steps
 
 

@@ -47,6 +47,10 @@ import json, os, resource, sys, traceback, warnings
 warnings.simplefilter("ignore")
 import torch
 import ldformat
+try:  # what the first replayed optimizer step imports, once here instead of in every child
+    import torch._dynamo
+except ImportError:
+    pass
 
 def vm_size():
     with open("/proc/self/status") as f:
@@ -188,10 +192,14 @@ def hostile_chains(tmp_path: Path) -> dict[str, tuple[Path, list[str], str]]:
     set_object(chain, TOPK_BATCH, "values_u32/c/0", chunk(blosc_bomb()))
     out["blosc-bomb"] = (chain, ["materialize:1", "validate"], "declares 1610612736 decompressed bytes")
 
-    chain = make("huge-record")
+    chain = make("huge-record")  # canonical, with a valid checksum: only the size limit refuses it
     path = last_record(chain)
-    data = path.read_bytes()
-    path.write_bytes(data[:-1] + b" " * (MAX_RECORD_BYTES - len(data) + 1) + b"\n")
+    doc = json.loads(path.read_bytes())
+    doc["deltas"][0]["steps"][0]["extra"]["pad"] = ""
+    pad = MAX_RECORD_BYTES + 1 - len(canonical(with_checksum(doc)) + b"\n")
+    doc["deltas"][0]["steps"][0]["extra"]["pad"] = "x" * pad
+    path.write_bytes(canonical(with_checksum(doc)) + b"\n")
+    assert path.stat().st_size == MAX_RECORD_BYTES + 1
     out["huge-record"] = (chain, ["open", "validate"], f"more than the {MAX_RECORD_BYTES}")
 
     chain = make("oversize-tensor")
