@@ -5,7 +5,7 @@ An anchor object holds every tensor of the state under its stored name (see
 ``ldformat.format`` = ``anchor`` and ``ldformat.step``; the JSON-able parts (param groups,
 extra state) live in the commit record that references the anchor.
 
-Writing (spec §23, "Anchor objects"): :func:`anchor_parts` returns the header and zero-copy
+Writing (spec §23, implementation notes): :func:`anchor_parts` returns the header and zero-copy
 views of the tensors' memory, so that the object is streamed to storage and checksummed
 without ever being joined in memory. The header is the canonical JSON (§6.2) of the
 safetensors header, padded with spaces to a multiple of 8 bytes, and the data is ordered by
@@ -13,7 +13,7 @@ decreasing element size, then name: the bytes depend only on the state (not on t
 unlike ``safetensors.torch.save``, whose ``__metadata__`` order varies), and every tensor
 starts at a multiple of its element size.
 
-Reading: :func:`decode_anchor` validates the header itself and builds every tensor with
+Reading: :func:`decode_anchor` validates the header itself (spec §9.1) and builds every tensor with
 ``torch.frombuffer`` on the one buffer the object was read into: no second copy, and the
 tensors are writable (replay updates them in place) and do not overlap.
 """

@@ -39,7 +39,7 @@ from .state import bits_view
 
 WIDTH_DTYPES: dict[int, Any] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 CHUNK_BYTES = 8 << 20
-# Measured (spec §23, "Codec ratios"): bitshuffle+zstd on gap-coded indices, byte shuffle+zstd on values.
+# Measured (spec §23, codec ratios): bitshuffle+zstd on gap-coded indices, byte shuffle+zstd on values.
 INDEX_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}
 # 1 MiB blosc blocks: on a 30M-parameter xor delta, ratio 0.787 -> 0.742 and encode 0.85 -> 0.44
 # core-s (benchmarks/, "Value codec variants").
@@ -257,7 +257,7 @@ def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int,
 _NP_DTYPES: dict[str, Any] = {"bool": np.uint8, "uint8": np.uint8, "int8": np.int8, "int16": np.int16,
                               "int32": np.int32, "int64": np.int64, "float16": np.float16, "bfloat16": np.uint16,
                               "float32": np.float32, "float64": np.float64}
-# Counts entries of one batch: rows x slots, so `counts` holds at most 128 MiB (spec §10.1).
+# Counts entries of one batch: rows x slots, so `counts` holds at most 128 MiB (spec §10.5).
 MAX_COUNTS = 1 << 24
 # Indices are stored as uint32 gaps, and every index is below 2^32 (spec §10.1).
 MAX_SPARSE_INDEX = 1 << 32
@@ -590,7 +590,7 @@ def _array_metadata(objects: Mapping[str, bytes | np.ndarray], where: str) -> di
             continue
         if len(parts) != 2 or parts[0] not in _ARRAY_DTYPES:
             raise CorruptChainError(f"{where}: {key} is not the metadata of a batch array (a batch holds only "
-                                    f"{', '.join(_ARRAY_DTYPES)}; spec §10.1)")
+                                    f"{', '.join(_ARRAY_DTYPES)}; spec §10.2)")
         arrays[parts[0]] = _ProfileArray.parse(parts[0], objects[key], where)
     return arrays
 
@@ -620,7 +620,7 @@ def decode_batch(
     _slot_widths(slots, where)
     if rows * max(1, len(slots)) > MAX_COUNTS:
         raise CorruptChainError(f"{where}: {rows} rows of {len(slots)} slots exceed the {MAX_COUNTS} counts a batch "
-                                "may have (spec §10.1)")
+                                "may have (spec §10.5)")
     metadata = _array_metadata(objects, where)
     counts_meta = metadata.get("counts")
     if counts_meta is None:

@@ -1,9 +1,10 @@
-"""Error hierarchy (spec §23, "Errors"; exit codes §18).
+"""Error hierarchy (exit codes: spec §18.1 "Exit codes").
 
 Every error names the file and/or step involved and says what to do. Each class also
 inherits the closest builtin so that callers catching ``OSError`` or ``ValueError`` keep
-working. The CLI maps :class:`ChainError` subclasses to exit code 1 and
-:class:`UsageError` to exit code 2.
+working. The CLI maps :class:`ChainLockedError` (and :class:`LockLostError`) to exit code 4,
+other :class:`ChainError` subclasses to 1, :class:`UsageError` and :class:`NotAChainError`
+to 2, and :class:`OutputWriteError` to 3.
 """
 
 from __future__ import annotations

@@ -71,6 +71,11 @@ def encode(value: Any, where: str = "value") -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise UnsupportedStateError(
+                f"{where}: the integer {value} is outside the signed 64-bit range readers accept (spec §6.4); "
+                "store it as a string or a tensor instead"
+            )
         return int(value)
     if isinstance(value, float):
         if math.isfinite(value):

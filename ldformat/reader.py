@@ -362,7 +362,18 @@ class _Prefetcher:
             return None
         entry, items = self._plan[i]
         used = [e.row for _, e in items]
-        return self._pool.submit(self._reader.load_batch, entry, items[0][0], range(min(used), max(used) + 1))
+        return self._pool.submit(self._load, entry, items[0][0], range(min(used), max(used) + 1))
+
+    def _load(self, entry: DeltaEntry, step: int, rows: range) -> DecodedBatch:
+        try:
+            return self._reader.load_batch(entry, step, rows)
+        except CorruptChainError as e:
+            # Name the step being replayed where the batch's own error names only the batch.
+            where = f"{self._reader.path}/{entry.path}"
+            text = str(e)
+            if text.startswith(f"{where}: "):
+                raise type(e)(f"{where} (step {step}): {text[len(where) + 2:]}") from None
+            raise
 
     def __iter__(self) -> Iterator[tuple[DeltaEntry, DecodedBatch, list[tuple[int, StepEntry]]]]:
         for i, (entry, items) in enumerate(self._plan):

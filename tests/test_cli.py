@@ -90,8 +90,9 @@ def training_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def listing(root: Path) -> dict[str, bytes]:
-    """Every file under ``root`` with its content."""
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    """Every file under ``root`` with its content, except the writer lock (not content, spec §15)."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.relative_to(root).as_posix().startswith("lock/")}
 
 
 def files_in(directory: Path) -> list[str]:
@@ -324,12 +325,11 @@ def test_materialize_write_is_atomic(chains: dict[str, Built], tmp_path: Path,
     real_save = torch.save
 
     def failing_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        with open(f, "wb") as fh:  # half-written, then the disk fills up
-            fh.write(b"partial")
+        f.write(b"partial")  # half-written, then the disk fills up
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    line = one_line_error(invoke("materialize", chain, "-o", target, code=1))
+    line = one_line_error(invoke("materialize", chain, "-o", target, code=3))  # spec §18.1: output not written
     assert "No space left on device" in line
     assert target.read_bytes() == before
     assert files_in(tmp_path) == ["ckpt.pt"]

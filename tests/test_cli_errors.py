@@ -124,7 +124,7 @@ def anchor_file(chain: Path, step: int) -> Path:
 
 
 def ldtools_cmd(*args: Any) -> list[str]:
-    return [sys.executable, "-m", "ldtools", *[os.fsdecode(os.fsencode(str(a))) for a in args]]
+    return [sys.executable, "-m", "ldtools", *map(str, args)]
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -155,7 +155,7 @@ class FailingFile:
 
 def fail_pt_write(monkeypatch: pytest.MonkeyPatch, code: int, watch: Path, seen: list[list[str]]) -> None:
     """torch.save really serializes, into a file that fails after 2 KiB."""
-    real_save = torch.save
+    real_save: Any = torch.save
 
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
         seen.append(files_in(watch))

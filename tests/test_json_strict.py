@@ -377,3 +377,11 @@ def test_tagged_values_round_trip() -> None:
     for key in ("s", "e", "b"):
         assert back[key].dtype == value[key].dtype and torch.equal(back[key], value[key])
     assert torch.equal(back["$k"][0], value["$k"][0])
+
+
+@pytest.mark.parametrize("value", [1 << 63, -(1 << 63) - 1, {"k": [10**30]}, {1 << 64: 0}])
+def test_writers_refuse_integers_readers_would_refuse(value: Any) -> None:
+    from ldformat import UnsupportedStateError
+
+    with pytest.raises(UnsupportedStateError, match="signed 64-bit range"):
+        encode(value, "extra")

@@ -60,7 +60,8 @@ def vm_size():
 
 def run(job):
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (vm_size() + job["budget"], hard))
+    limit = vm_size() + job["budget"]
+    resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     results = []
     for op in job["ops"]:
         try:

@@ -12,7 +12,6 @@ and a :class:`ResidualPeer` on every other rank join one all-gather of them
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,10 @@ class TopKCommState:
         self.names = {id(p): name for name, p in model.named_parameters()}
 
 
-def topk_comm_hook(state: TopKCommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+# DDP compares the annotation with dist.GradBucket itself, which torch's stubs do not re-export.
+def topk_comm_hook(
+    state: TopKCommState, bucket: dist.GradBucket  # type: ignore[name-defined]
+) -> torch.futures.Future[torch.Tensor]:
     """``ddp_model.register_comm_hook(state, topk_comm_hook)``."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
@@ -56,7 +58,7 @@ def topk_comm_hook(state: TopKCommState, bucket: dist.GradBucket) -> torch.futur
     buffer = bucket.buffer()
     numels = [g.numel() for g in grads]
 
-    def decompress(_: Any) -> torch.Tensor:
+    def decompress(_: object) -> torch.Tensor:
         out = torch.zeros_like(buffer)
         offset = 0
         starts = []

@@ -88,6 +88,6 @@ def _close_at_exit() -> None:
 import concurrent.futures.thread  # noqa: E402,F401  (registers its hook before ours)
 
 if hasattr(threading, "_register_atexit"):
-    threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
+    threading._register_atexit(_close_at_exit)
 else:  # pragma: no cover
     atexit.register(_close_at_exit)

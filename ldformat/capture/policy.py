@@ -23,6 +23,7 @@ CheckFreq-style adaptation then keeps the measured training-thread stall under a
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ class PolicyInputs:
     mtbf_s: float
     anchor_load_s: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -63,7 +64,7 @@ def optimal_batch_steps(i: PolicyInputs, *, lower: int = 1, upper: int = 256) ->
     return _best_integer(lambda x: wasted_time_per_step(i, 1, x), b, lower, upper)
 
 
-def _best_integer(cost: Any, x: float, lower: int, upper: int) -> int:
+def _best_integer(cost: Callable[[float], float], x: float, lower: int, upper: int) -> int:
     """The better of floor and ceil of the continuous optimum, clamped."""
     lo = min(max(int(math.floor(x)), lower), upper)
     hi = min(max(int(math.ceil(x)), lower), upper)

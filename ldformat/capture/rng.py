@@ -11,12 +11,12 @@ import torch
 def capture_rng() -> dict[str, Any]:
     """CPU and CUDA torch generators, Python's ``random``, and NumPy's legacy global state."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)  # type: ignore[misc]
+        name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
         keys_bits = torch.from_numpy(np.asarray(keys, dtype=np.uint32).view(np.int32).copy())
         state["numpy"] = {"name": name, "keys": keys_bits, "pos": int(pos), "has_gauss": int(has_gauss),
                           "gauss": float(gauss)}

@@ -10,8 +10,7 @@ your loop consumed if you use them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.utils.data import Sampler
@@ -52,10 +51,10 @@ class ResumableSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.n - self.position
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
         if state.get("n", self.n) != self.n or state.get("seed", self.seed) != self.seed:
             raise ValueError(
                 f"sampler state is for n={state.get('n')}, seed={state.get('seed')}; "

@@ -38,7 +38,7 @@ class Stager:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self.stream = torch.cuda.Stream(device=device) if self.cuda else None  # type: ignore[no-untyped-call]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.stream is None or src.device.type != "cuda":
