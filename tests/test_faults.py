@@ -46,6 +46,7 @@ def _one_thread() -> Any:
         yield
 
 
+# -- helpers -----------------------------------------------------------------------------
 def fault(name: str, err: int, *, after: int = 0) -> Fault:
     """A fresh rule for the fault ``name`` (``op:what``) raising ``err`` after ``after`` calls.
 
@@ -81,7 +82,6 @@ def lock_released(path: Path) -> bool:
     return current_lock(LocalStore(path)) is None
 
 
-# -- helpers -----------------------------------------------------------------------------
 def files_under(root: Path) -> list[str]:
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
@@ -160,8 +160,8 @@ def train_until_fault(path: Path, kind: str, store: FaultyStore) -> tuple[ChainW
                                 batch_steps=BATCH_STEPS, anchor_every=ANCHOR_EVERY, store=store)
     live = {0: snapshot(model, optimizer)}
     store.arm()
-    durable = writer.durable_step
-    assert durable == 0
+    durable = 0
+    assert writer.durable_step == durable
     for s in range(1, MAX_STEPS + 1):
         cw.train(model, optimizer, topk, s)
         live[s] = snapshot(model, optimizer)
@@ -169,7 +169,9 @@ def train_until_fault(path: Path, kind: str, store: FaultyStore) -> tuple[ChainW
             writer.record_step(s)
         except WriterIOError as e:
             return writer, e, s, durable, live
-        durable = writer.durable_step
+        now_durable = writer.durable_step
+        assert now_durable is not None
+        durable = now_durable
     rule = store.faults[0]
     raise AssertionError(f"{rule.ops} on {rule.path} never failed in {MAX_STEPS} steps ({rule.calls} calls)")
 

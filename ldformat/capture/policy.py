@@ -1,6 +1,6 @@
 """Anchor interval and batch size from a wasted-time model (spec §20.6 "Anchor interval and batch size").
 
-LowDiff (§V-C, Eq. 8-10) models the time wasted per failure-free run plus recovery. With
+LowDiff (section V-C, Eq. 8-10) models the time wasted per failure-free run plus recovery. With
 exact per-step replay we never sum gradients per batch, so the model changes: replay cost
 depends on how many deltas follow the anchor, not on the batch size, while every commit has
 a fixed cost (fsync) and a failure loses half a batch of steps on average. Per training step:
@@ -73,7 +73,7 @@ def _best_integer(cost: Callable[[float], float], x: float, lower: int, upper: i
 
 @dataclass
 class AdaptiveTuner:
-    """Keeps the training-thread stall under ``max_stall`` (CheckFreq §4.3, Algorithm 1).
+    """Keeps the training-thread stall under ``max_stall`` (CheckFreq, section 4.3, Algorithm 1).
 
     Every ``window`` steps it compares the measured stall fraction with the bound; above it,
     anchors and commits are spread out (doubling both) until the stall fits or the limits

@@ -1,4 +1,4 @@
-"""A resumable, seeded-per-epoch shuffling sampler (CheckFreq §4.2; spec §19.4).
+"""A resumable, seeded-per-epoch shuffling sampler (CheckFreq, section 4.2; spec §19.4).
 
 The order of epoch ``e`` is ``torch.randperm(n)`` drawn from a generator seeded with
 ``seed + e``, so it does not depend on anything that happened before. The state is the
