@@ -383,17 +383,17 @@ def _live(owner: LockOwner) -> bool:
 def _refuse_live_legacy_lock(store: Store, where: str, break_lock: bool) -> None:
     """A format 1.0 writer locks with ``writer.lock``; refuse while one of those runs."""
     try:
-        data = store.read(LEGACY_LOCK_FILE)
+        data = _read_bounded(store, LEGACY_LOCK_FILE, MAX_LOCK_BYTES, f"{where}/{LEGACY_LOCK_FILE}")
+    except FormatError:
+        return
     except (FileNotFoundError, IsADirectoryError):
         return
     except OSError as e:
         raise _io_error(f"{where}/{LEGACY_LOCK_FILE}: cannot read the writer lock", e) from None
-    import json
-
     try:
-        d = json.loads(data[:MAX_LOCK_BYTES])
-    except ValueError:
-        return
+        d = parse_json(data, f"{where}/{LEGACY_LOCK_FILE}", max_bytes=MAX_LOCK_BYTES)
+    except FormatError:
+        return  # unparseable: stale (spec §15.2)
     if not isinstance(d, dict):
         return
     pid, host, start = d.get("pid"), d.get("host"), d.get("start_time")

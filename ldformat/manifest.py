@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from .errors import CorruptChainError, NotAChainError, UnsupportedVersionError
+from .errors import CorruptChainError, FormatError, NotAChainError, UnsupportedVersionError
 from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, parse_json, verify_checksum, with_checksum
 from .stores import check_relative_path
 
@@ -270,6 +270,11 @@ class Record:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: record is not a JSON object")
         verify_checksum(d, where)
+        if canonical(d) + b"\n" != bytes(data):
+            raise FormatError(
+                f"{where}: the record is not in canonical form followed by one LF (spec §7.1), although its "
+                "checksum matches; records are never rewritten: restore it from a copy"
+            )
         _check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
         rtype = _require(d, "type", str, where)
         if rtype not in ("append", "snapshot"):

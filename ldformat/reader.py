@@ -97,6 +97,10 @@ class ChainReader:
         path = f"{prefix}/{ref.path}" if prefix else ref.path
         where = f"{self.path}/{path}" + (f" (step {step})" if step is not None else "")
         try:
+            # The size first: an object larger than its record says is never read into memory.
+            size = self.store.size(path)
+            if size != ref.size:
+                raise CorruptChainError(f"{where}: size {size} differs from the committed {ref.size} (truncated?)")
             data = self.store.read_buffer(path)
         except FileNotFoundError:
             raise MissingObjectError(

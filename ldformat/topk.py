@@ -37,7 +37,7 @@ class TopK:
         self._scratch: dict[str, torch.Tensor] = {}
 
     def k_for(self, numel: int) -> int:
-        return max(1, min(numel, math.ceil(self.ratio * numel)))
+        return min(numel, max(1, math.ceil(self.ratio * numel)))  # 0 for an empty tensor
 
     @torch.no_grad()
     def select(self, name: str, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 
 from .anchor import anchor_parts
 from .captured import CapturedStep, CapturedTensor, capture_gradients, capture_tensors, live_buffers
-from .delta import BatchEncoder, tensor_bits
+from .delta import MAX_COUNTS, BatchEncoder, tensor_bits
 from .environment import current_environment
 from .errors import (
     ChainError,
@@ -455,7 +455,8 @@ class ChainWriter:
                 tensors = {n: ct.to_tensor() for n, ct in captured.tensors.items()}
             self._write_anchor_object(step, tensors, captured.param_groups, captured.extra)
             self.commit()
-        elif self._batch.rows >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes:
+        elif (self._batch.rows >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes
+              or (self._batch.rows + 1) * max(1, len(self._slots)) > MAX_COUNTS):  # spec §10.5 bound
             self.commit()
 
     def _slot(self, name: str, ct: CapturedTensor, encoding: str) -> int:
@@ -580,14 +581,20 @@ class ChainWriter:
 
     def _io(self, what: str, fn: Callable[..., object], *args: Any) -> None:
         """Run a storage call; a failure poisons the writer with a clear error."""
+        durable = "no step is durable yet" if self.durable_step is None else (
+            f"nothing after step {self.durable_step} is durable and the chain is valid there")
         try:
             fn(*args)
+        except WriterIOError as e:  # already names the object (the commit path's I/O errors)
+            err = WriterIOError(f"{e}; {durable}. Fix the cause and re-open the chain with ChainWriter.open "
+                                "to continue")
+            err.errno = e.errno
+            self._failed = err
+            raise err from None
         except ChainError as e:
             self._failed = e
             raise
         except OSError as e:
-            durable = "no step is durable yet" if self.durable_step is None else (
-                f"nothing after step {self.durable_step} is durable and the chain is valid there")
             err = WriterIOError(
                 f"{self.path}/{what}: {e.strerror or e} (errno {e.errno}); {durable}. Fix the cause and "
                 "re-open the chain with ChainWriter.open to continue"

@@ -64,3 +64,15 @@ def test_writer_refuses_a_record_readers_would_refuse(tmp_path: Path, monkeypatc
         commit_record(store, str(path), state, None, type="append", reason="append")
     monkeypatch.undo()
     assert ChainReader(path).records[-1].seq == state.last_seq
+
+
+def test_non_canonical_record_is_refused_even_with_a_valid_checksum(tmp_path: Path) -> None:
+    """Spec §7.1: a reader that re-serializes and one that compares bytes must agree."""
+    path = tmp_path / "chain"
+    make_chain(path)
+    rel = path / log_path(1)
+    doc = json.loads(rel.read_text())
+    rel.write_text(json.dumps(doc, indent=1) + "\n")  # same members, same checksum, other bytes
+    with pytest.raises(FormatError, match="not in canonical form"):
+        read_log(LocalStore(path), str(path))
+    assert not ldformat.validate(path).ok

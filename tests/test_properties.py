@@ -194,7 +194,8 @@ refs = st.builds(ObjectRef, path=st.from_regex(r"[a-z0-9]{1,6}(/[a-z0-9][a-z0-9.
 def records(draw: Any) -> Record:
     groups = [encode({"lr": draw(st.floats(0, 1)), "betas": (0.9, 0.999), "params": [0, 1]})]
     anchors = tuple(
-        AnchorEntry(step=s, object=draw(refs), param_groups=groups,
+        AnchorEntry(step=s, object=ObjectRef(path=f"anchors/{s}-{draw(refs).path.replace('/', '')}",
+                                             size=draw(refs).size, crc32c=draw(refs).crc32c), param_groups=groups,
                     extra=encode(draw(st.dictionaries(st.text(max_size=3), json_leaf, max_size=2))))
         for s in draw(st.lists(st.integers(0, 100), max_size=2, unique=True))
     )
