@@ -102,6 +102,7 @@ def compact(
     dry_run: bool = False,
     store: Store | None = None,
     break_lock: bool = False,
+    lock_wait: float = 0.0,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> CompactionPlan:
     """Bound replay length, apply retention and remove garbage.
@@ -121,7 +122,7 @@ def compact(
     reader = ChainReader(path, store=store)
     if dry_run:
         return _compact(reader, None, max_replay, keep_last, keep_every, progress)
-    lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)
+    lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
         return _compact(reader, lock, max_replay, keep_last, keep_every, progress)
@@ -309,14 +310,14 @@ def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[Anchor
 
 
 def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,
-             break_lock: bool = False) -> list[int]:
+             break_lock: bool = False, lock_wait: float = 0.0) -> list[int]:
     """Remove every step after ``after`` (rewind after a loss spike). Returns the removed steps.
 
     Crash-safe: one snapshot record switches the chain to the truncated view. A writer can
     then re-open the chain and append from ``after + 1``.
     """
     reader = ChainReader(path, store=store)
-    lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock)
+    lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
         state = reader.state

@@ -49,6 +49,9 @@ _TMP_NAME = re.compile(r"^\.tmp-(.+)-[0-9a-f]+$")
 FOLD_ATTEMPTS = 5
 
 RecordType = Literal["append", "snapshot"]
+#: How long a held lock generation stays valid without renewal (spec §15.6).
+LEASE_S = 60.0
+MAX_LEASE_S = 86400.0
 
 
 def now() -> str:
@@ -231,6 +234,7 @@ class LockOwner:
     pid: int | None
     start_time: str | None
     token: str
+    lease_s: float | None = None  # held only: the holder renews within this many seconds (§15.6)
 
     @classmethod
     def parse(cls, data: bytes, generation: int, where: str) -> LockOwner | None:
@@ -244,7 +248,9 @@ class LockOwner:
         state = d.get("state")
         if state == "released":
             return cls(generation, "released", None, None, None, d["token"])
-        host, pid, start = d.get("host"), d.get("pid"), d.get("start_time")
+        host, pid, start, lease = d.get("host"), d.get("pid"), d.get("start_time"), d.get("lease_s")
+        if not (isinstance(lease, (int, float)) and not isinstance(lease, bool) and 0 < lease <= MAX_LEASE_S):
+            lease = None  # no usable lease: the holder can only be proven dead by its pid
         if (
             state != "held"
             or not isinstance(host, str)
@@ -254,10 +260,11 @@ class LockOwner:
             or not (start is None or isinstance(start, str))
         ):
             return None
-        return cls(generation, "held", host, pid, start, d["token"])
+        return cls(generation, "held", host, pid, start, d["token"], None if lease is None else float(lease))
 
     def describe(self) -> str:
-        return f"host {self.host}, pid {self.pid}, lock generation {self.generation}"
+        lease = "" if self.lease_s is None else f", lease {self.lease_s:g} s"
+        return f"host {self.host}, pid {self.pid}, lock generation {self.generation}{lease}"
 
 
 class WriterLock:
@@ -282,16 +289,28 @@ class WriterLock:
         #: must be fenced before anything is deleted.
         self.took_over = took_over
         self.released = False
+        self._renewed = time.monotonic()
 
     @property
     def generation(self) -> int:
         return self.owner.generation
 
     @classmethod
-    def acquire(cls, store: Store, where: str, *, break_lock: bool = False) -> WriterLock:
-        """Take the lock, or raise :class:`ChainLockedError` naming the live holder."""
+    def acquire(cls, store: Store, where: str, *, break_lock: bool = False, wait_s: float = 0.0,
+                lease_s: float | None = None) -> WriterLock:
+        """Take the lock, or raise :class:`ChainLockedError` naming the live holder.
+
+        A holder on this host is live while its process runs. A holder on another host is
+        live while it renews its lease: with ``wait_s`` > 0 this call watches the newest
+        generation for up to ``wait_s`` seconds and takes the lock over once it went a whole
+        lease unrenewed by this process's own clock (spec §15.6).
+        """
         _refuse_live_legacy_lock(store, where, break_lock)
-        for _ in range(8):
+        lease = LEASE_S if lease_s is None else lease_s
+        started = time.monotonic()
+        first_seen: dict[int, float] = {}
+        attempts = 0
+        while True:
             generations = _numbered(store, LOCK_DIR, _LOCK_NAME)
             current: LockOwner | None = None
             if generations:
@@ -299,24 +318,66 @@ class WriterLock:
                 try:
                     current = _read_lock(store, g, where)
                 except FileNotFoundError:
+                    attempts += 1
+                    if attempts > 8:
+                        raise ChainLockedError(f"{where}: the writer lock keeps changing; retry") from None
                     continue  # a stale listing; look again
+                seen = first_seen.setdefault(g, time.monotonic())
                 if current.state == "held" and _live(current) and not break_lock:
-                    raise ChainLockedError(
-                        f"{where}: the chain is locked by a running writer ({current.describe()}); "
-                        "close it first, or break the lock if that writer is known to be gone"
-                    )
+                    expired = current.host != socket.gethostname() and current.lease_s is not None and (
+                        time.monotonic() - seen >= current.lease_s)
+                    if not expired:
+                        waited = time.monotonic() - started
+                        if waited < wait_s:
+                            time.sleep(min(1.0, max(0.01, wait_s - waited), (current.lease_s or 1.0) / 10))
+                            continue
+                        raise ChainLockedError(
+                            f"{where}: the chain is locked by a running writer ({current.describe()}); "
+                            "close it first, wait for its lease to run out (lock_wait), or break the lock "
+                            "if that writer is known to be gone"
+                        )
             generation = (generations[-1] if generations else 0) + 1
             owner = LockOwner(generation, "held", socket.gethostname(), os.getpid(), _start_time(os.getpid()),
-                              secrets.token_hex(8))
+                              secrets.token_hex(8), lease)
             try:
                 store.create_exclusive(lock_path(generation), _lock_bytes(owner))
             except FileExistsError:
+                attempts += 1
+                if attempts > 8:
+                    raise ChainLockedError(
+                        f"{where}: could not take the writer lock (other processes keep taking it); retry"
+                    ) from None
                 continue  # another process took this generation: look at who holds it now
             except OSError as e:
                 raise _io_error(f"{where}/{lock_path(generation)}: cannot take the writer lock", e) from None
             took_over = current is not None and current.state == "held"
             return cls(store, where, owner, current, took_over)
-        raise ChainLockedError(f"{where}: could not take the writer lock (other processes keep taking it); retry")
+
+    def renew_if_due(self) -> None:
+        """Renew the lease by creating the next generation with the same token (spec §15.6).
+
+        Called before each commit; a writer that commits less often than every half lease
+        may lose its lock to a waiting taker, and then fails cleanly at its next commit.
+        """
+        if self.owner.lease_s is None or time.monotonic() - self._renewed < self.owner.lease_s / 2:
+            return
+        self.check()
+        nxt = LockOwner(self.generation + 1, "held", self.owner.host, self.owner.pid, self.owner.start_time,
+                        self.owner.token, self.owner.lease_s)
+        try:
+            self.store.create_exclusive(lock_path(nxt.generation), _lock_bytes(nxt))
+        except FileExistsError:
+            raise LockLostError(
+                f"{self.where}: another process took over this writer's lock while renewing its lease; this "
+                "writer stops and deletes nothing. Re-open the chain to continue"
+            ) from None
+        except OSError as e:
+            raise _io_error(f"{self.where}/{lock_path(nxt.generation)}: cannot renew the writer lock", e) from None
+        previous, self.owner, self._renewed = self.owner.generation, nxt, time.monotonic()
+        try:
+            self.store.delete(lock_path(previous))  # our own, superseded generation: garbage
+        except OSError:
+            pass
 
     def check(self) -> None:
         """Raise :class:`LockLostError` if another process took the lock over since."""
@@ -368,6 +429,8 @@ def _lock_bytes(owner: LockOwner) -> bytes:
     d: dict[str, object] = {"generation": owner.generation, "state": owner.state, "token": owner.token}
     if owner.state == "held":
         d.update(host=owner.host, pid=owner.pid, start_time=owner.start_time, since=time.time())
+        if owner.lease_s is not None:
+            d["lease_s"] = owner.lease_s
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode() + b"\n"
 
 
@@ -437,6 +500,7 @@ def commit_record(
     chain is being created (the creator holds generation 1 and nobody can see the chain yet).
     """
     if lock is not None:
+        lock.renew_if_due()
         lock.check()
     record = Record(
         seq=state.last_seq + 1,

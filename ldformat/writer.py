@@ -246,6 +246,7 @@ class ChainWriter:
         anchor_every: int | None = None,
         store: Store | None = None,
         break_lock: bool = False,
+        lock_wait: float = 0.0,
         capture_hook: bool = True,
     ) -> ChainWriter:
         """Re-open a chain to append after its latest committed step.
@@ -275,7 +276,7 @@ class ChainWriter:
             )
         if root.kind == "grad.topk" and not isinstance(compressor, TopK):
             raise UsageError("this grad.topk chain needs compressor=ldformat.TopK(...)")
-        lock = WriterLock.acquire(store, where, break_lock=break_lock)
+        lock = WriterLock.acquire(store, where, break_lock=break_lock, wait_s=lock_wait)
         try:
             _, state = open_log_for_write(store, where, lock)  # fences the log after a takeover
             collect_garbage(store, state, lock, where)

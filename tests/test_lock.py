@@ -408,3 +408,76 @@ def test_refused_creation_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(ldformat.WriterIOError):
         ChainWriter.create(path, model, optimizer, kind="grad.dense", store=Failing(path))
     assert list(path.iterdir()) == [], "a failed creation left files behind"
+
+
+# -- leases (spec §15.6) --------------------------------------------------------------------
+def _plant_remote_lock(path: Path, lease_s: float, generation: int | None = None) -> int:
+    store = LocalStore(path)
+    g = generation or max(int(p[5:17]) for p in store.list("lock") if "/." not in p) + 1
+    store.create_exclusive(lock_path(g), json.dumps({
+        "generation": g, "state": "held", "host": "elsewhere", "pid": 1, "start_time": None, "token": "remote",
+        "lease_s": lease_s}).encode())
+    return g
+
+
+def test_lease_of_a_silent_remote_holder_runs_out(tmp_path: Path) -> None:
+    path = tmp_path / "chain"
+    make_chain(path)
+    _plant_remote_lock(path, lease_s=0.5)
+    model, optimizer = make_training()
+    ChainReader(path).load_into(model, optimizer)
+    with pytest.raises(ChainLockedError, match="host elsewhere.*lease 0.5 s"):
+        ChainWriter.open(path, model, optimizer)  # no waiting: a remote holder counts as live
+    started = time.monotonic()
+    writer = ChainWriter.open(path, model, optimizer, lock_wait=5.0)
+    assert 0.5 <= time.monotonic() - started < 4.0, "the lease was not waited for, or not taken over"
+    assert ChainReader(path).records[-1].reason == "takeover"  # the old holder is fenced
+    train(model, optimizer, 4)
+    writer.record_step(4)
+    assert writer.close() == 4
+    assert ldformat.validate(path).ok
+
+
+def test_lease_renewed_by_a_remote_holder_keeps_the_lock(tmp_path: Path) -> None:
+    import threading
+
+    path = tmp_path / "chain"
+    make_chain(path)
+    g = _plant_remote_lock(path, lease_s=0.6)
+    stop = threading.Event()
+
+    def renew() -> None:  # a live holder on another host: a new generation every 0.2 s
+        nonlocal g
+        while not stop.wait(0.2):
+            g = _plant_remote_lock(path, lease_s=0.6, generation=g + 1)
+
+    t = threading.Thread(target=renew)
+    t.start()
+    try:
+        model, optimizer = make_training()
+        with pytest.raises(ChainLockedError, match="lease"):
+            ChainWriter.open(path, model, optimizer, lock_wait=1.5)
+    finally:
+        stop.set()
+        t.join()
+    assert ChainReader(path).steps == [0, 1, 2, 3]
+
+
+def test_writer_renews_its_lease_at_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ldformat.log.LEASE_S", 0.2)
+    path = tmp_path / "chain"
+    model, optimizer = make_training()
+    writer = ChainWriter.create(path, model, optimizer, kind="grad.dense", batch_steps=1)
+    assert writer._lock is not None
+    first = writer._lock.generation
+    for s in (1, 2, 3):
+        time.sleep(0.15)
+        train(model, optimizer, s)
+        writer.record_step(s)
+    assert writer._lock.generation > first, "the lease was never renewed"
+    held = current_lock(LocalStore(path))
+    assert held is not None and held.generation == writer._lock.generation and held.lease_s == 0.2
+    gens = sorted(LocalStore(path).list("lock"))
+    assert len(gens) == 1, f"superseded generations of our own were kept: {gens}"
+    assert writer.close() == 3
+    assert ldformat.validate(path).ok
