@@ -1,4 +1,4 @@
-"""Training-step overhead and training-thread stall, configurations interleaved (DESIGN §5).
+"""Training-step overhead and training-thread stall, configurations interleaved.
 
 Every configuration trains its own copy of the workload. A *round* runs each configuration
 for one window of steps, in a rotated order; a window is a whole multiple of the

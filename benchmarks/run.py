@@ -1,4 +1,4 @@
-"""Run the ldformat benchmark suite (DESIGN §5) and write tables, JSON and plots.
+"""Run the ldformat benchmark suite and write tables, JSON and plots.
 
     python -m benchmarks.run --quick            # small model, a few minutes
     python -m benchmarks.run                    # the fixed workload (~30M GPT), within an hour
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
     emit()
-    emit("## Bars (DESIGN §5)")
+    emit("## Bars")
     emit()
     emit(bar_summary(results))
     total = time.perf_counter() - started

@@ -1,4 +1,4 @@
-"""The fixed benchmark workload (DESIGN §5): a GPT-style model defined here, AdamW, synthetic tokens.
+"""The fixed benchmark workload: a GPT-style model defined here, AdamW, synthetic tokens.
 
 The full workload is 8 pre-LN transformer blocks, width 512, 8 heads, vocabulary 8192,
 sequence 256, tied embedding/head (29.5M parameters), batch 8 x 256, AdamW. ``--quick`` uses
@@ -35,7 +35,7 @@ class ModelSize:
                 f"batch {self.batch}, tied embedding")
 
 
-# DESIGN §5: ~30M parameters, batch 8 x sequence 256.
+# ~30M parameters, batch 8 x sequence 256.
 WORKLOAD = ModelSize("gpt-30m", layers=8, width=512, heads=8, vocab=8192, seq=256, batch=8)
 QUICK_WORKLOAD = ModelSize("gpt-3m", layers=4, width=192, heads=6, vocab=4096, seq=64, batch=8)
 
@@ -54,7 +54,7 @@ QUICK_SCALING_SIZES = [
 
 
 def configure_threads() -> None:
-    """torch threads = 2 and codec threads = 1 in every configuration (DESIGN §5)."""
+    """torch threads = 2 and codec threads = 1 in every configuration."""
     torch.set_num_threads(2)
     try:
         import numcodecs.blosc

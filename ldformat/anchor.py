@@ -5,9 +5,9 @@ An anchor object holds every tensor of the state under its stored name (see
 ``ldformat.format`` = ``anchor`` and ``ldformat.step``; the JSON-able parts (param groups,
 extra state) live in the commit record that references the anchor.
 
-Writing (spec §23, implementation notes): :func:`anchor_parts` returns the header and zero-copy
-views of the tensors' memory, so that the object is streamed to storage and checksummed
-without ever being joined in memory. The header is the canonical JSON (§6.2) of the
+Writing (docs/implementation-notes.md "Anchor objects"): :func:`anchor_parts` returns the
+header and zero-copy views of the tensors' memory, so that the object is streamed to storage
+and checksummed without ever being joined in memory. The header is the canonical JSON (§6.2) of the
 safetensors header, padded with spaces to a multiple of 8 bytes, and the data is ordered by
 decreasing element size, then name: the bytes depend only on the state (not on the process,
 unlike ``safetensors.torch.save``, whose ``__metadata__`` order varies), and every tensor

@@ -1,4 +1,4 @@
-"""One captured step, apart from appending it (spec §10.4 "Step entries", §20.2 "Capture points").
+"""One captured step, apart from appending it (spec §10.4 "Step entries", docs/capture-runtime.md "Capture points").
 
 A :class:`CapturedStep` is everything a :class:`~ldformat.ChainWriter` needs to append one
 step: the raw bits of its tensors and the JSON parts of its step entry. Capturing it is
@@ -132,9 +132,10 @@ def capture_gradients(
 
 
 def inverse_scale(grad_scale: torch.Tensor | None) -> float | None:
-    """``1/grad_scale``: what unscales the gradients a fused optimizer gets from GradScaler (spec §20.2).
+    """``1/grad_scale``: what unscales the gradients a fused optimizer gets from GradScaler.
 
-    Multiplying by it is exact only for a power-of-two scale, so any other is refused.
+    Multiplying by it is exact only for a power-of-two scale, so any other is refused
+    (docs/capture-runtime.md "Capture points").
     """
     if grad_scale is None:
         return None

@@ -39,7 +39,8 @@ from .state import bits_view
 
 WIDTH_DTYPES: dict[int, Any] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 CHUNK_BYTES = 8 << 20
-# Measured (spec §23, codec ratios): bitshuffle+zstd on gap-coded indices, byte shuffle+zstd on values.
+# Measured (docs/implementation-notes.md "Codec ratios"): bitshuffle+zstd on gap-coded indices,
+# byte shuffle+zstd on values.
 INDEX_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}
 # 1 MiB blosc blocks: on a 30M-parameter xor delta, ratio 0.787 -> 0.742 and encode 0.85 -> 0.44
 # core-s (benchmarks/, "Value codec variants").

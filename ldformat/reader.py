@@ -1,4 +1,4 @@
-"""Reading and materializing a chain (spec §11, "Reading").
+"""Reading and materializing a chain (spec §7.6 "Reading objects", §11 "Delta kinds and replay").
 
 A reader never trusts what it reads: every object's size and crc32c are checked against
 the commit record before it is parsed, and nothing stored is ever unpickled.

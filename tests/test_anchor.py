@@ -1,4 +1,7 @@
-"""Anchor objects (spec §9, §23): streamed canonical write, strict header, single-copy load."""
+"""Anchor objects (spec §9; docs/implementation-notes.md "Anchor objects").
+
+Streamed canonical write, strict header, single-copy load.
+"""
 
 from __future__ import annotations
 

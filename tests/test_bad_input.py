@@ -1,4 +1,4 @@
-"""Bad input (DESIGN §6): damaged, truncated, missing or unknown things, and wrong paths.
+"""Bad input: damaged, truncated, missing or unknown things, and wrong paths.
 
 Each case checks the specific error class and that its message names the file and/or step,
 that :func:`ldformat.validate` reports a problem naming the object, that the CLI

@@ -1,4 +1,4 @@
-"""Compaction, retention and truncation (spec §12)."""
+"""Compaction, retention and truncation (spec §16 "Truncation", §17 "Compaction and retention")."""
 
 from __future__ import annotations
 

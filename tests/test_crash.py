@@ -1,4 +1,4 @@
-"""Crash consistency (DESIGN §6): ``kill -9`` of the writer at any point.
+"""Crash consistency: ``kill -9`` of the writer at any point.
 
 A writer process (tests/crash_writer.py, forked from a warm server so that a trial costs
 its training and not a torch import) trains TinyNet with Adam and records every step. The

@@ -1,10 +1,11 @@
-"""Data-parallel ``lowdiff``: top-k DDP comm hook, rank-0 Checkpointer, ResidualPeer (spec §20.7).
+"""Data-parallel ``lowdiff``: top-k DDP comm hook, rank-0 Checkpointer, ResidualPeer (spec §14.1).
 
 Two CPU processes (gloo) train a DDP-wrapped :class:`models.TinyNet` on different data. Each
 rank compresses its gradient with its own :class:`ldformat.TopK` inside
 :func:`ldformat.topk_comm_hook`; rank 0 records a ``grad.topk`` chain with a
 :class:`ldformat.Checkpointer` that only reads the compressor's indices, rank 1 runs a
-:class:`ldformat.ResidualPeer` so that every anchor also holds its residuals.
+:class:`ldformat.ResidualPeer` so that every anchor also holds its residuals
+(docs/capture-runtime.md "Data-parallel `lowdiff`").
 
 The workers save what they saw after every step; the checks run in the pytest process.
 Run as a script (``python test_ddp.py RANK WORLD OUTDIR``) this file is one worker.

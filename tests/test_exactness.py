@@ -1,4 +1,4 @@
-"""Bit-exact replay against live training (spec §8.5): every step, several optimizers."""
+"""Bit-exact replay against live training (spec §11.8 "Exactness"): every step, several optimizers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""I/O faults injected through the store (DESIGN §6): disk full, permission, I/O errors.
+"""I/O faults injected through the store: disk full, permission, I/O errors.
 
 Tests run as root, where permissions do not bite, so faults come from
 :class:`~ldformat.stores.FaultyStore` wrapping a :class:`~ldformat.stores.LocalStore`: one

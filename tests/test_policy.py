@@ -1,4 +1,4 @@
-"""The capture policy (spec §20, "Capture policy"): wasted-time model, optima, adaptive tuner."""
+"""The capture policy (docs/capture-runtime.md "Anchor interval and batch size"): model, optima, tuner."""
 
 from __future__ import annotations
 

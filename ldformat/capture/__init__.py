@@ -1,4 +1,4 @@
-"""The capture runtime: feeding a chain from a training loop without stalling it (spec §20 "Capture runtime")."""
+"""The capture runtime: feeding a chain from a training loop without stalling it (docs/capture-runtime.md)."""
 
 from .ddp import ResidualPeer, TopKCommState, gather_residuals, topk_comm_hook
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps, wasted_time_per_step

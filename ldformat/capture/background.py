@@ -1,10 +1,11 @@
-"""The background writer: one thread appends the captured steps in order (spec §20.3 "Pipeline").
+"""The background writer: one thread appends the captured steps in order (docs/capture-runtime.md "Pipeline").
 
 It takes the queued steps, encodes their extra state (JSON encoding stays off the training
-thread), waits for their copies, applies them to the replica (``lowdiff+``, §20.4) and
-appends them to the :class:`~ldformat.ChainWriter`, which commits every ``batch_steps``
-steps and at anchors. Its first exception is kept and it writes nothing more; the training
-thread raises it at its next call.
+thread), waits for their copies, applies them to the replica (``lowdiff+``,
+docs/capture-runtime.md "`lowdiff+`: the CPU replica") and appends them to the
+:class:`~ldformat.ChainWriter`, which commits every ``batch_steps`` steps and at anchors.
+Its first exception is kept and it writes nothing more; the training thread raises it at its
+next call.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Data-parallel ``lowdiff``: the top-k comm hook and every rank's residuals (spec §20.5, §14.1).
+"""Data-parallel ``lowdiff``: the top-k comm hook and every rank's residuals (spec §14.1 "Data-parallel residuals").
 
 Each rank selects the top-k entries of every parameter's gradient (with its own
 per-parameter residual, not per bucket: DDP rebuilds its buckets after the first
@@ -9,6 +9,8 @@ handed to the :class:`~ldformat.TopK` so that a ``grad.topk`` chain records exac
 The residuals stay per rank. At every anchor step rank 0's :class:`~ldformat.Checkpointer`
 and a :class:`ResidualPeer` on every other rank join one all-gather of them
 (:func:`gather_residuals`), and rank 0 writes rank ``r``'s as ``compressor@<r>/<name>``.
+
+How the ranks are set up: docs/capture-runtime.md "Data-parallel `lowdiff`".
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.

@@ -1,4 +1,4 @@
-"""Hooks into the training objects and the interpreter's exit (spec §20.1 "Modes and life cycle").
+"""Hooks into the training objects and the interpreter's exit (docs/capture-runtime.md "Modes and life cycle").
 
 The capture runtime registers optimizer step hooks and per-parameter gradient hooks, and
 runs code after ``scheduler.step()`` and ``scaler.update()`` return. Those methods are

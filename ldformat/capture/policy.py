@@ -1,4 +1,4 @@
-"""Anchor interval and batch size from a wasted-time model (spec §20.6 "Anchor interval and batch size").
+"""Anchor interval and batch size from a wasted-time model (docs/capture-runtime.md "Anchor interval and batch size").
 
 LowDiff (section V-C, Eq. 8-10) models the time wasted per failure-free run plus recovery. With
 exact per-step replay we never sum gradients per batch, so the model changes: replay cost

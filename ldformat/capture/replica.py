@@ -1,4 +1,4 @@
-"""``lowdiff+``: the CPU replica of the training state (spec §20.4 "`lowdiff+`: the CPU replica").
+"""``lowdiff+``: the CPU replica of the training state (docs/capture-runtime.md "`lowdiff+`: the CPU replica").
 
 The background writer applies every captured step to a :class:`~ldformat.replay.Replayer`
 over a CPU copy of the state before it writes the step, so the replica is always the

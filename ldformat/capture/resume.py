@@ -1,8 +1,9 @@
-"""Resuming training from a chain, and re-opening it to record again (spec §19.5 "Resuming", §20.1).
+"""Resuming training from a chain, and re-opening it to record again (spec §19.5 "Resuming").
 
 :func:`resume` restores the live training objects from a step; :func:`open_writer` is the
-capture runtime's side: it re-opens the chain at that step, truncating the steps after it
-(§16 "Truncation") and loading the top-k residuals of its anchor (§14.2 "Resuming").
+capture runtime's side (docs/capture-runtime.md "Modes and life cycle"): it re-opens the chain at
+that step, truncating the steps after it (§16 "Truncation") and loading the top-k residuals
+of its anchor (§14.2 "Resuming").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The capture runtime: checkpoint every step without stalling training (spec §20 "Capture runtime").
+"""The capture runtime: checkpoint every step without stalling training (docs/capture-runtime.md).
 
 ``Checkpointer`` hooks into the optimizer and captures each step at the points where its
-parts are final (§20.2 "Capture points"):
+parts are final (docs/capture-runtime.md "Capture points"):
 
 * the optimizer step **pre-hook** of step ``t``: the gradients the optimizer consumes (after
   clipping and unscaling) and the hyperparameters it uses;
@@ -12,8 +12,8 @@ parts are final (§20.2 "Capture points"):
   the capture runtime"). The step is then complete and queued.
 
 The training thread only copies into reused host buffers (:mod:`.staging`); a background
-thread encodes, writes and commits (:mod:`.background`, §20.3 "Pipeline"). Training blocks
-only when every buffer set is in flight. The rest lives next door: the ``lowdiff+`` replica
+thread encodes, writes and commits (:mod:`.background`, docs/capture-runtime.md
+"Pipeline"). Training blocks only when every buffer set is in flight. The rest lives next door: the ``lowdiff+`` replica
 in :mod:`.replica`, data-parallel residuals in :mod:`.ddp`, the anchor interval and batch
 size in :mod:`.tuning`, the extra state in :mod:`.extra`, opening and resuming in
 :mod:`.resume`, hook bookkeeping in :mod:`.hooks`.
@@ -93,7 +93,8 @@ class Checkpointer:
             ``step``/``update`` methods are wrapped while the checkpointer is open).
         sampler: an object with ``state_dict``/``load_state_dict`` (e.g.
             :class:`ResumableSampler`) whose position is captured.
-        anchor_every, batch_steps: in steps, or ``"auto"`` (wasted-time model, spec §20.6).
+        anchor_every, batch_steps: in steps, or ``"auto"`` (wasted-time model,
+            docs/capture-runtime.md "Anchor interval and batch size").
         topk_ratio: the top-k ratio of ``lowdiff`` mode.
         compressor: a :class:`TopK` to use in ``lowdiff`` mode (e.g. the one a DDP comm hook
             runs); with ``compress=False`` the checkpointer does not compress, it only reads
@@ -111,8 +112,9 @@ class Checkpointer:
             latest step). Steps after it are truncated, since training will redo them.
         extra: the user's own JSON-able dict, recorded as ``extra.user`` with every step.
         store: a :class:`Store` to write to instead of the directory ``path``.
-        process_group: for data-parallel ``lowdiff`` (spec §20.5): the Checkpointer runs on
-            rank 0, a :class:`ResidualPeer` on every other rank.
+        process_group: for data-parallel ``lowdiff`` (docs/capture-runtime.md
+            "Data-parallel `lowdiff`"): the Checkpointer runs on rank 0, a
+            :class:`ResidualPeer` on every other rank.
 
     Example:
         >>> ck = Checkpointer("runs/chain", model, optimizer, mode="lowdiff")   # doctest: +SKIP
@@ -221,12 +223,12 @@ class Checkpointer:
 
     @property
     def anchor_every(self) -> int:
-        """The anchor interval in force (spec §20.6)."""
+        """The anchor interval in force (docs/capture-runtime.md "Anchor interval and batch size")."""
         return self.tuning.anchor_every
 
     @property
     def batch_steps(self) -> int:
-        """Steps per commit in force (spec §20.6)."""
+        """Steps per commit in force (docs/capture-runtime.md "Anchor interval and batch size")."""
         return self.tuning.batch_steps
 
     @property

@@ -1,4 +1,4 @@
-"""Reusable host buffers and device-to-host copies (spec §20.3 "Pipeline").
+"""Reusable host buffers and device-to-host copies (docs/capture-runtime.md "Pipeline").
 
 Captured tensors are copied into host buffers that are allocated once and reused, so the
 capture path does not allocate per step. With CUDA the buffers are pinned and the copies

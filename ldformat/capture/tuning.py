@@ -1,7 +1,8 @@
-"""The anchor interval and batch size in force, measured and retuned (spec §20.6 "Anchor interval and batch size").
+"""The anchor interval and batch size in force, measured and retuned.
 
-:mod:`.policy` holds the wasted-time model; this module feeds it while the runtime runs. It
-keeps what the runtime measured (:class:`CaptureStats`, including the stall of section 20.3
+:mod:`.policy` holds the wasted-time model (docs/capture-runtime.md
+"Anchor interval and batch size"); this module feeds it while the runtime runs. It keeps what
+the runtime measured (:class:`CaptureStats`, including the stall of docs/capture-runtime.md
 "Pipeline"), chooses ``"auto"`` values once, after :data:`POLICY_WARMUP_STEPS` step
 intervals, and doubles both values when the training thread stalls more than ``max_stall``.
 """
