@@ -364,15 +364,9 @@ class WriterLock:
         self.check()
         nxt = LockOwner(self.generation + 1, "held", self.owner.host, self.owner.pid, self.owner.start_time,
                         self.owner.token, self.owner.lease_s)
-        try:
-            self.store.create_exclusive(lock_path(nxt.generation), _lock_bytes(nxt))
-        except FileExistsError:
-            raise LockLostError(
-                f"{self.where}: another process took over this writer's lock while renewing its lease; this "
-                "writer stops and deletes nothing. Re-open the chain to continue"
-            ) from None
-        except OSError as e:
-            raise _io_error(f"{self.where}/{lock_path(nxt.generation)}: cannot renew the writer lock", e) from None
+        _create_or_lose(self.store, lock_path(nxt.generation), _lock_bytes(nxt), self.where,
+                        "another process took over this writer's lock while renewing its lease",
+                        "cannot renew the writer lock")
         previous, self.owner, self._renewed = self.owner.generation, nxt, time.monotonic()
         try:
             self.store.delete(lock_path(previous))  # our own, superseded generation: garbage
@@ -519,18 +513,23 @@ def commit_record(
             f"{where}/{path}: the record would be {len(data)} bytes, more than the {MAX_RECORD_BYTES} readers "
             "accept (spec §6.4); commit fewer steps per record, or compact with keep_last to shorten the chain"
         )
+    _create_or_lose(store, path, data, where, "another writer committed this record",
+                    "cannot create the commit record; the chain is unchanged")
+    record = Record.from_bytes(data, f"{where}/{path}")  # carries the checksum
+    state.apply(record)
+    return record
+
+
+def _create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str, failed: str) -> None:
+    """Create ``path`` exclusively; an existing one means this writer lost the chain (spec §7.4 step 5)."""
     try:
         store.create_exclusive(path, data)
     except FileExistsError:
         raise LockLostError(
-            f"{where}/{path}: another writer committed this record; this writer stops and deletes "
-            "nothing (re-open the chain to continue)"
+            f"{where}/{path}: {lost}; this writer stops and deletes nothing (re-open the chain to continue)"
         ) from None
     except OSError as e:
-        raise _io_error(f"{where}/{path}: cannot create the commit record; the chain is unchanged", e) from None
-    record = Record.from_bytes(data, f"{where}/{path}")  # carries the checksum
-    state.apply(record)
-    return record
+        raise _io_error(f"{where}/{path}: {failed}", e) from None
 
 
 def fence(store: Store, where: str, state: ChainState, lock: WriterLock) -> None:

@@ -24,7 +24,7 @@ import pytest
 from ldformat.errors import CorruptChainError, UsageError
 from ldformat.stores import WRITES, Fault, FaultyStore, LocalStore, MemoryStore, Part, Store, byte_view
 from ldformat.stores import local as local_module
-from ldformat.testing.store_contract import UNSAFE_PATHS, StoreContract
+from ldformat.testing.store_contract import PRIMITIVES, UNSAFE_PATHS, StoreContract
 
 
 # -- the contract, once per backend ----------------------------------------------------------
@@ -106,19 +106,7 @@ def _tree(root: Path) -> dict[str, bytes | None]:
             for p in sorted(root.rglob("*"))}
 
 
-ALL_PRIMITIVES: dict[str, Callable[[Store, str], object]] = {
-    "write": lambda s, p: s.write(p, b"overwritten"),
-    "write_parts": lambda s, p: s.write_parts(p, [b"over", b"written"]),
-    "sync": lambda s, p: s.sync([p]),
-    "create_exclusive": lambda s, p: s.create_exclusive(p, b"created"),
-    "read": lambda s, p: s.read(p),
-    "read_buffer": lambda s, p: s.read_buffer(p),
-    "size": lambda s, p: s.size(p),
-    "list": lambda s, p: s.list(p),
-    "delete": lambda s, p: s.delete(p),
-    "exists": lambda s, p: s.exists(p),
-    "local_path": lambda s, p: s.local_path(p),
-}
+ALL_PRIMITIVES = PRIMITIVES
 
 
 @pytest.mark.parametrize("primitive", sorted(ALL_PRIMITIVES))

@@ -60,7 +60,7 @@ UNSAFE_PATHS: dict[str, str] = {
 }
 
 #: Every primitive, as a call on ``(store, path)``.
-_PRIMITIVES: dict[str, Callable[[Store, str], object]] = {
+PRIMITIVES: dict[str, Callable[[Store, str], object]] = {
     "write": lambda s, p: s.write(p, b"data"),
     "write_parts": lambda s, p: s.write_parts(p, [b"da", np.frombuffer(b"ta", np.uint8)]),
     "sync": lambda s, p: s.sync([p]),
@@ -247,7 +247,7 @@ class StoreContract(Generic[StoreT]):
         store.write("log/other", b"")
         for name in ("read", "read_buffer", "size"):
             with pytest.raises(FileNotFoundError):
-                _PRIMITIVES[name](store, path)
+                PRIMITIVES[name](store, path)
         assert not store.exists(path)
         store.delete(path)
         assert store.list("") == ["log/other"]
@@ -257,7 +257,7 @@ class StoreContract(Generic[StoreT]):
         for path in ("deltas", "deltas/1-2-0123abcd"):
             for name in ("read", "read_buffer", "size"):
                 with pytest.raises(FileNotFoundError):
-                    _PRIMITIVES[name](store, path)
+                    PRIMITIVES[name](store, path)
             assert not store.exists(path)
             store.delete(path)
             assert store.read("deltas/1-2-0123abcd/zarr.json") == b"{}", f"delete({path!r}) removed an object below"
@@ -267,7 +267,7 @@ class StoreContract(Generic[StoreT]):
         for path in ("ldformat.json/x", "ldformat.json/x/y"):
             for name in ("read", "read_buffer", "size"):
                 with pytest.raises(FileNotFoundError):
-                    _PRIMITIVES[name](store, path)
+                    PRIMITIVES[name](store, path)
             assert not store.exists(path)
             store.delete(path)
             assert store.list(path) == []
@@ -574,10 +574,10 @@ class StoreContract(Generic[StoreT]):
         assert store.list("") == []
 
     # -- paths ----------------------------------------------------------------------------------
-    @pytest.mark.parametrize("primitive", sorted(_PRIMITIVES))
+    @pytest.mark.parametrize("primitive", sorted(PRIMITIVES))
     def test_unsafe_paths_are_refused(self, store: StoreT, primitive: str) -> None:
         store.write("log/x", b"")
-        call = _PRIMITIVES[primitive]
+        call = PRIMITIVES[primitive]
         for path, why in UNSAFE_PATHS.items():
             if primitive == "list" and path == "":
                 continue  # the whole store
