@@ -125,6 +125,8 @@ class Schema:
                 if model[alias] != meta:
                     raise bad(f"model entry {name!r} aliases {alias!r} with another dtype or shape")
                 sources.append((name, alias))
+            elif alias is ...:
+                raise bad(f"model entry {name!r} lacks alias_of")
             else:
                 raise bad(f"model entry {name!r} has alias_of {alias!r}, which names no earlier stored entry")
         class_name, params, sizes = optimizer.get("class"), optimizer.get("params"), optimizer.get("group_sizes")

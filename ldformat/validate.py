@@ -160,6 +160,9 @@ class _Validation:
         self.presence: dict[str, np.ndarray] = {}  # batch path -> counts >= 0, [rows, slots]
         self.hyper: dict[int, list[Any] | None] = {}  # step -> decoded hyper (steps that passed)
         self.stored: dict[int, dict[str, torch.Tensor]] = {}  # deep: anchor -> its tensors
+        self.schema: Schema | None = None
+        self.rules: OptimizerRules | None = None  # gradient kinds: the optimizer class and its group members
+        self.children: dict[int, list[int]] = {}  # step -> the steps whose delta is based on it
 
     def problem(self, where: str, step: int | None, e: BaseException | str) -> None:
         if isinstance(e, BaseException):
@@ -190,7 +193,6 @@ class _Validation:
         report.latest_step = reader.latest_step
         root_where = f"{reader.path}/{ROOT_FILE}"
         schema: Schema | None = None
-        self.rules: OptimizerRules | None = None
         try:
             schema = Schema.of(reader.root, reader.path)
             if schema.gradient:
