@@ -314,7 +314,8 @@ def _ranges(steps: list[int]) -> str:
         return "none"
     out = []
     start = prev = steps[0]
-    for s in steps[1:] + [None]:  # type: ignore[list-item]
+    following: list[int | None] = [*steps[1:], None]
+    for s in following:
         if s is not None and s == prev + 1:
             prev = s
             continue
