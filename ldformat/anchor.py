@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 import numpy as np
 import torch
 
 from .errors import CorruptChainError, FormatError, UnsupportedStateError
-from .jsonvalue import canonical, parse_json
+from .jsonvalue import JSON, JSONObject, canonical, parse_json
 
 # safetensors dtype codes of the format's dtypes (spec §5.6.4).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -87,7 +87,7 @@ def anchor_parts(tensors: dict[str, torch.Tensor], step: int) -> AnchorParts:
     # Decreasing element size, then name: every tensor is aligned to its element size
     # (the data starts at a multiple of 8), and the order does not depend on dict order.
     order = sorted(flat, key=lambda n: (-flat[n].element_size(), n))
-    header: dict[str, Any] = {METADATA_KEY: anchor_metadata(step)}
+    header: JSONObject = {METADATA_KEY: dict(anchor_metadata(step))}
     payloads: list[np.ndarray] = []
     offset = 0
     for name in order:
@@ -145,16 +145,17 @@ def _parse_header(data: bytes | bytearray | memoryview | np.ndarray,
         raise bad("the header does not start with '{'")
 
     try:  # the JSON rules of records (spec §6.4): no duplicate names, no NaN, bounded numbers and depth
-        header = parse_json(raw, "header", max_bytes=MAX_HEADER_BYTES, tagged=False)
+        header: JSON = parse_json(raw, "header", max_bytes=MAX_HEADER_BYTES, tagged=False)
     except FormatError as exc:
         raise bad(str(exc)) from None
     if not isinstance(header, dict):
         raise bad("the header is not a JSON object")
-    meta = header.pop(METADATA_KEY, {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+    stored = header.pop(METADATA_KEY, {})
+    meta = {k: v for k, v in stored.items() if isinstance(v, str)} if isinstance(stored, dict) else {}
+    if not isinstance(stored, dict) or len(meta) != len(stored):
         raise bad("__metadata__ is not an object of strings")
 
-    def is_uint(x: Any) -> bool:
+    def is_uint(x: object) -> TypeGuard[int]:
         return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
 
     entries: dict[str, _Entry] = {}
@@ -164,17 +165,19 @@ def _parse_header(data: bytes | bytearray | memoryview | np.ndarray,
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
             raise bad(f"{name}: dtype {dtype!r} is not one of format 1.0")
-        if not isinstance(shape, list) or not all(is_uint(d) for d in shape):
+        dims = tuple(d for d in shape if is_uint(d)) if isinstance(shape, list) else ()
+        if not isinstance(shape, list) or len(dims) != len(shape):
             raise bad(f"{name}: shape {shape!r} is not a list of non-negative integers")
         span = 1
-        for d in shape:
+        for d in dims:
             span *= max(1, d)
         if span >= 1 << 63:  # torch cannot hold it, even with no element
             raise bad(f"{name}: shape {shape!r} is too large (the product of its non-zero dimensions is 2^63 "
                       "or more)")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_uint(o) for o in offsets):
+        bounds = [o for o in offsets if is_uint(o)] if isinstance(offsets, list) else []
+        if not isinstance(offsets, list) or len(offsets) != 2 or len(bounds) != 2:
             raise bad(f"{name}: data_offsets {offsets!r} is not two non-negative integers")
-        entries[name] = _Entry(dtype, tuple(shape), offsets[0], offsets[1])
+        entries[name] = _Entry(dtype, dims, bounds[0], bounds[1])
     # The tensors tile the data exactly, in some order (any order is valid, spec §9.1).
     cursor = 0
     for name, e in sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end, kv[0])):

@@ -21,12 +21,10 @@ import torch
 
 from .delta import SIGNED_NP, tensor_bits
 from .errors import UnsupportedStateError, UsageError
+from .jsonvalue import JSON as JSON  # re-exported: the type of a captured step's JSON parts
 from .jsonvalue import dtype_name, parse_dtype
 from .manifest import Kind
 from .topk import TopK
-
-JSON: TypeAlias = "None | bool | int | float | str | Sequence[JSON] | Mapping[str, JSON]"
-"""Encoded JSON data (spec §6 "JSON values"), as :func:`ldformat.jsonvalue.encode` returns it; read-only."""
 
 CopyToHost: TypeAlias = Callable[[str, torch.Tensor], torch.Tensor]
 """``copy(name, tensor)``: a CPU tensor that holds (or will hold) the bits of ``tensor``.

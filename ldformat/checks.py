@@ -24,20 +24,20 @@ import copy
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 import torch
 
 from .errors import CorruptChainError, UnsupportedStateError
-from .jsonvalue import decode, dtype_name
-from .manifest import AnchorEntry, RootMetadata, SlotInfo, StepEntry
+from .jsonvalue import JSON, Decoded, decode, dtype_name
+from .manifest import KINDS, AnchorEntry, Kind, RootMetadata, SlotInfo, StepEntry
+from .state import ParamGroup
 
 #: (dtype name, shape) of a stored tensor.
 TensorMeta = tuple[str, tuple[int, ...]]
 
 _INDEX = re.compile(r"0|[1-9][0-9]{0,18}")
 _RANK = re.compile(r"[1-9][0-9]{0,18}")
-_KINDS = ("grad.topk", "grad.dense", "state.xor")
 DTYPE_NAMES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 _ROOT = "ldformat.json"
 # torch.optim classes whose step gradient replay cannot re-run (spec §5.6.2, §11.5).
@@ -47,7 +47,7 @@ _NOT_REPLAYABLE = {
 }
 
 
-def _is_int(x: Any) -> bool:
+def _is_int(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -61,7 +61,7 @@ def parse_index(text: str) -> int | None:
 class Schema:
     """The root's ``schema`` as replay uses it (spec §5.6)."""
 
-    kind: str
+    kind: Kind
     #: stored ``model/<key>`` tensors (entries with ``alias_of: null``): key -> (dtype, shape)
     model: dict[str, TensorMeta]
     #: the order of ``schema.model`` with, for every key, the stored key it reads
@@ -90,11 +90,12 @@ class Schema:
             return CorruptChainError(f"{place}: schema {why} (spec §5.6); the root file was not written by a "
                                      "conforming writer")
 
-        schema = root.schema
-        if root.kind not in _KINDS:
-            raise CorruptChainError(f"{place}: unknown delta kind {root.kind!r}")
-        model_entries = schema.get("model") if isinstance(schema, dict) else None
-        optimizer = schema.get("optimizer") if isinstance(schema, dict) else None
+        stored: JSON = root.schema
+        schema: Mapping[str, JSON] = stored if isinstance(stored, dict) else {}
+        kind = root.kind
+        if kind not in KINDS:
+            raise CorruptChainError(f"{place}: unknown delta kind {kind!r}")
+        model_entries, optimizer = schema.get("model"), schema.get("optimizer")
         if not isinstance(model_entries, list) or not isinstance(optimizer, dict):
             raise bad("needs a model array and an optimizer object")
         model: dict[str, TensorMeta] = {}
@@ -102,9 +103,9 @@ class Schema:
         sources: list[tuple[str, str]] = []
         names: set[str] = set()
         for n, e in enumerate(model_entries):
-            if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            name = e.get("name") if isinstance(e, dict) else None
+            if not isinstance(e, dict) or not isinstance(name, str):
                 raise bad(f"model[{n}] is not an object with a name")
-            name: str = e["name"]
             role, dtype, shape, alias = e.get("role"), e.get("dtype"), e.get("shape"), e.get("alias_of", ...)
             if name in names:
                 raise bad(f"model names {name!r} twice")
@@ -113,9 +114,10 @@ class Schema:
                 raise bad(f"model entry {name!r} has role {role!r}, not 'parameter' or 'buffer'")
             if not isinstance(dtype, str) or dtype not in DTYPE_NAMES:
                 raise bad(f"model entry {name!r} has dtype {dtype!r}, not one of spec §5.6.4")
-            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            dims = [d for d in shape if _is_int(d) and d >= 0] if isinstance(shape, list) else []
+            if not isinstance(shape, list) or len(dims) != len(shape):
                 raise bad(f"model entry {name!r} has shape {shape!r}, not a list of non-negative integers")
-            meta: TensorMeta = (str(dtype), tuple(shape))
+            meta: TensorMeta = (dtype, tuple(dims))
             if alias is None:
                 model[name] = meta
                 if role == "parameter":
@@ -129,30 +131,32 @@ class Schema:
                 raise bad(f"model entry {name!r} lacks alias_of")
             else:
                 raise bad(f"model entry {name!r} has alias_of {alias!r}, which names no earlier stored entry")
-        class_name, params, sizes = optimizer.get("class"), optimizer.get("params"), optimizer.get("group_sizes")
+        class_name, listed, sizes = optimizer.get("class"), optimizer.get("params"), optimizer.get("group_sizes")
         if not isinstance(class_name, str):
             raise bad("optimizer.class is not a string")
-        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+        params = [p for p in listed if isinstance(p, str)] if isinstance(listed, list) else []
+        if not isinstance(listed, list) or len(params) != len(listed):
             raise bad("optimizer.params is not an array of strings")
         for p in params:
             if p not in parameters:
                 raise bad(f"optimizer.params names {p!r}, which is no stored model entry of role 'parameter'")
         if len(set(params)) != len(params):
             raise bad("optimizer.params names a parameter twice")
-        if not isinstance(sizes, list) or not all(_is_int(s) and s >= 0 for s in sizes) or sum(sizes) != len(params):
+        counts = [s for s in sizes if _is_int(s) and s >= 0] if isinstance(sizes, list) else []
+        if not isinstance(sizes, list) or len(counts) != len(sizes) or sum(counts) != len(params):
             raise bad(f"optimizer.group_sizes {sizes!r} are not non-negative integers summing to "
                       f"{len(params)} (the length of optimizer.params)")
         groups, start = [], 0
-        for size in sizes:
+        for size in counts:
             groups.append(range(start, start + size))
             start += size
         compressor = schema.get("compressor")
-        if root.kind == "grad.topk":
+        if kind == "grad.topk":
             if not (isinstance(compressor, dict) and compressor.get("name") == "topk"):
                 raise bad("compressor of a grad.topk chain is not a top-k compressor object")
         elif compressor is not None:
-            raise bad(f"compressor is not null in a {root.kind} chain")
-        return cls(kind=root.kind, model=model, sources=tuple(sources), parameters=parameters,
+            raise bad(f"compressor is not null in a {kind} chain")
+        return cls(kind=kind, model=model, sources=tuple(sources), parameters=parameters,
                    params=tuple(params), groups=tuple(groups), optimizer=class_name)
 
 
@@ -181,10 +185,10 @@ def replayable_optimizer(schema: Schema, where: str) -> type[torch.optim.Optimiz
     return cls
 
 
-_DEFAULTS: dict[type[torch.optim.Optimizer], dict[str, Any] | str] = {}
+_DEFAULTS: dict[type[torch.optim.Optimizer], dict[str, object] | str] = {}
 
 
-def _defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | str:
+def _defaults(cls: type[torch.optim.Optimizer]) -> dict[str, object] | str:
     got = _DEFAULTS.get(cls)
     if got is None:
         p = torch.zeros((1, 1), requires_grad=True)  # a matrix: some optimizers (Muon) take only those
@@ -197,7 +201,7 @@ def _defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any] | str:
     return got
 
 
-def group_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
+def group_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, object]:
     """The members of a fresh param group of ``cls`` (``cls([p]).param_groups[0]`` without
     ``params``) with their default values."""
     got = _defaults(cls)
@@ -207,7 +211,7 @@ def group_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
     return copy.deepcopy(got)
 
 
-def _fits(default: Any, value: Any) -> bool:
+def _fits(default: object, value: object) -> bool:
     """Whether ``value`` has the type of a hyperparameter whose default is ``default``."""
     if isinstance(default, bool):
         return isinstance(value, bool)
@@ -223,7 +227,7 @@ def _fits(default: Any, value: Any) -> bool:
     return True
 
 
-def _type_name(default: Any) -> str:
+def _type_name(default: object) -> str:
     if isinstance(default, bool):
         return "a boolean"
     if isinstance(default, (int, float)):
@@ -237,15 +241,15 @@ def _type_name(default: Any) -> str:
     return type(default).__name__
 
 
-def _recorded_torch(root_environment: Any) -> str:
+def _recorded_torch(root_environment: JSON) -> str:
     version = root_environment.get("torch") if isinstance(root_environment, dict) else None
     if isinstance(version, str) and version != torch.__version__:
         return f" (the chain was recorded with torch {version}, this is torch {torch.__version__}: replay it there)"
     return ""
 
 
-def _check_members(group: Mapping[Any, Any], defaults: Mapping[str, Any], what: str, where: str,
-                   cls_name: str, environment: Any) -> None:
+def _check_members(group: Mapping[Decoded, Decoded], defaults: Mapping[str, object], what: str, where: str,
+                   cls_name: str, environment: JSON) -> None:
     for key, default in defaults.items():
         if key not in group:
             raise CorruptChainError(f"{where}: {what} lacks {key!r}, which a torch.optim.{cls_name} param group "
@@ -260,8 +264,8 @@ class OptimizerRules:
     """What a param group of a gradient chain must hold: the class and its fresh group."""
 
     cls: type[torch.optim.Optimizer]
-    defaults: dict[str, Any]
-    environment: Any = None
+    defaults: dict[str, object]
+    environment: JSON = None  # the root's environment (names the torch a chain was recorded with)
 
     @classmethod
     def of(cls, schema: Schema, root: RootMetadata, where: str) -> OptimizerRules:
@@ -270,7 +274,8 @@ class OptimizerRules:
 
 
 # -- JSON parts of entries -------------------------------------------------------------------
-def check_param_groups(schema: Schema, data: Any, where: str, rules: OptimizerRules | None = None) -> list[Any]:
+def check_param_groups(schema: Schema, data: JSON, where: str,
+                       rules: OptimizerRules | None = None) -> list[ParamGroup]:
     """Decode and check ``param_groups`` (spec §8): one object per group of the schema, ``params``
     exactly the group's parameter indices; with ``rules`` (gradient kinds), every member of a
     fresh param group of the class, of its type. Returns the decoded groups."""
@@ -290,7 +295,8 @@ def check_param_groups(schema: Schema, data: Any, where: str, rules: OptimizerRu
     return groups
 
 
-def check_hyper(schema: Schema, entry: StepEntry, where: str, rules: OptimizerRules | None = None) -> list[Any] | None:
+def check_hyper(schema: Schema, entry: StepEntry, where: str,
+                rules: OptimizerRules | None = None) -> list[ParamGroup] | None:
     """Decode and check a step entry's ``hyper`` (spec §10.4, §11.5): an array with one object per
     param group, without ``params``, when a gradient chain's optimizer stepped; null otherwise.
     With ``rules``, every member of a fresh param group of the class, of its type."""
@@ -320,7 +326,7 @@ def check_hyper(schema: Schema, entry: StepEntry, where: str, rules: OptimizerRu
     return hyper
 
 
-def check_extra(data: Any, where: str) -> dict[Any, Any]:
+def check_extra(data: JSON, where: str) -> dict[Decoded, Decoded]:
     """Decode ``extra``; it must decode to a dict (spec §9.3, §10.4)."""
     extra = decode(data, f"{where}: extra")
     if not isinstance(extra, dict):

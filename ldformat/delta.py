@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypedDict, TypeGuard
 
 import google_crc32c
 import numpy as np
@@ -33,19 +33,31 @@ from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
 from .errors import CorruptChainError
-from .jsonvalue import MAX_ZARR_JSON_BYTES, parse_json
-from .manifest import SlotInfo
+from .jsonvalue import JSON, MAX_ZARR_JSON_BYTES, JSONObject, parse_json
+from .manifest import Encoding, SlotInfo
 from .state import bits_view
 
-WIDTH_DTYPES: dict[int, Any] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+WIDTH_DTYPES: dict[int, type[np.uint8 | np.uint16 | np.uint32 | np.uint64]] = {
+    1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 CHUNK_BYTES = 8 << 20
+
+
+class BloscOptions(TypedDict, total=False):
+    """Keyword arguments of zarr's ``BloscCodec`` besides ``typesize``."""
+
+    cname: Literal["zstd"]
+    clevel: int
+    shuffle: Literal["noshuffle", "shuffle", "bitshuffle"]
+    blocksize: int
+
+
 # Measured (docs/implementation-notes.md "Codec ratios"): bitshuffle+zstd on gap-coded indices,
 # byte shuffle+zstd on values.
-INDEX_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}
+INDEX_CODECS: BloscOptions = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuffle"}
 # 1 MiB blosc blocks: on a 30M-parameter xor delta, ratio 0.787 -> 0.742 and encode 0.85 -> 0.44
 # core-s (benchmarks/, "Value codec variants").
-VALUE_CODECS = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
-COUNT_CODECS = {"cname": "zstd", "clevel": 3, "shuffle": "shuffle"}
+VALUE_CODECS: BloscOptions = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
+COUNT_CODECS: BloscOptions = {"cname": "zstd", "clevel": 3, "shuffle": "shuffle"}
 
 Segment = tuple[np.ndarray | None, np.ndarray]  # (sorted int64 indices or None, raw bits)
 
@@ -56,7 +68,7 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
     return flat.numpy().view(WIDTH_DTYPES[t.element_size()])
 
 
-def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: Any, codec: dict[str, Any],
+def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: np.dtype, codec: BloscOptions,
             data: np.ndarray | None = None) -> None:
     """Create an array in ``store``: its metadata, and its chunks if ``data`` is given."""
     width = np.dtype(dtype).itemsize
@@ -64,13 +76,15 @@ def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: Any, c
         chunks: tuple[int, ...] = (max(1, min(shape[0], CHUNK_BYTES // width)),)
     else:
         chunks = tuple(max(1, s) for s in shape)
-    source: dict[str, Any] = {"data": data} if data is not None else {"shape": shape, "dtype": dtype}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         zarr.create_array(
             store,
             name=name,
-            **source,
+            # zarr takes the data, or else the shape and dtype
+            data=data,
+            shape=None if data is not None else shape,
+            dtype=None if data is not None else dtype,
             chunks=chunks,
             compressors=[BloscCodec(typesize=width, **codec), Crc32cCodec()],
             fill_value=0,
@@ -98,7 +112,7 @@ class ArrayEncoder:
     one chunk, compressed by :meth:`finish` once the length is known.
     """
 
-    def __init__(self, width: int, codec: dict[str, Any]) -> None:
+    def __init__(self, width: int, codec: BloscOptions) -> None:
         self.dtype = np.dtype(WIDTH_DTYPES[width])
         self.codec = codec
         self.size = 0
@@ -188,7 +202,7 @@ class BatchEncoder:
             encoder = self._values[width] = ArrayEncoder(width, VALUE_CODECS)
         encoder.append(values)
 
-    def finish(self, n_slots: int, attributes: dict[str, Any]) -> dict[str, bytes]:
+    def finish(self, n_slots: int, attributes: JSONObject) -> dict[str, bytes]:
         """The objects of the group, {relative key: bytes}; the encoder is spent afterwards."""
         counts = np.full((len(self.counts), n_slots), -1, dtype=np.int64)
         for r, row in enumerate(self.counts):
@@ -207,7 +221,7 @@ class BatchEncoder:
         return {**{key: buf.to_bytes() for key, buf in store._store_dict.items()}, **chunks}
 
 
-def encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]], attributes: dict[str, Any]) -> dict[str, bytes]:
+def encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]], attributes: JSONObject) -> dict[str, bytes]:
     """Encode rows into the objects of one Zarr group: {relative key: bytes}."""
     encoder = BatchEncoder()
     for row in rows:
@@ -255,16 +269,16 @@ def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int,
 
 
 # -- slot bounds (spec §10.3) ---------------------------------------------------------------
-_NP_DTYPES: dict[str, Any] = {"bool": np.uint8, "uint8": np.uint8, "int8": np.int8, "int16": np.int16,
-                              "int32": np.int32, "int64": np.int64, "float16": np.float16, "bfloat16": np.uint16,
-                              "float32": np.float32, "float64": np.float64}
+_NP_DTYPES: dict[str, type[np.generic]] = {
+    "bool": np.uint8, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+    "float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
 # Counts entries of one batch: rows x slots, so `counts` holds at most 128 MiB (spec §10.5).
 MAX_COUNTS = 1 << 24
 # Indices are stored as uint32 gaps, and every index is below 2^32 (spec §10.1).
 MAX_SPARSE_INDEX = 1 << 32
 # Per array, the elements all rows of a batch hold together (a sanity bound: 2^48 elements).
 _MAX_ARRAY_ELEMENTS = 1 << 48
-_KIND_SLOTS = {
+_KIND_SLOTS: dict[str, dict[str, Encoding]] = {
     "grad.topk": {"grad": "sparse", "model": "dense"},
     "grad.dense": {"grad": "dense", "model": "dense"},
     "state.xor": {"model": "xor", "optimizer": "xor"},
@@ -278,31 +292,33 @@ def _index(text: str) -> int | None:
     return int(text)
 
 
-def _schema_tables(schema: Any) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[str], int]:
+def _schema_tables(schema: JSON) -> tuple[dict[str, tuple[str, tuple[int, ...]]], list[str], int]:
     """(stored model entries by name: (dtype, shape), optimizer params, total parameter numel) of a root schema."""
     where = "the chain's schema (ldformat.json)"
     model = schema.get("model") if isinstance(schema, dict) else None
     optimizer = schema.get("optimizer") if isinstance(schema, dict) else None
-    params = optimizer.get("params") if isinstance(optimizer, dict) else None
-    if not isinstance(model, list) or not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+    listed = optimizer.get("params") if isinstance(optimizer, dict) else None
+    params = [p for p in listed if isinstance(p, str)] if isinstance(listed, list) else []
+    if not isinstance(model, list) or not isinstance(listed, list) or len(params) != len(listed):
         raise CorruptChainError(f"{where}: schema.model or schema.optimizer.params is malformed (spec §5.6)")
     entries: dict[str, tuple[str, tuple[int, ...]]] = {}
     total = 0
     for e in model:
-        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+        name = e.get("name") if isinstance(e, dict) else None
+        if not isinstance(e, dict) or not isinstance(name, str):
             raise CorruptChainError(f"{where}: a schema.model entry is malformed (spec §5.6.1)")
         if e.get("alias_of") is not None:
             continue
         shape, dtype = e.get("shape"), e.get("dtype")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape) or not _shape_ok(tuple(shape)):
-            raise CorruptChainError(f"{where}: schema.model entry {e['name']!r} has a malformed shape {shape!r}")
-        if dtype not in _NP_DTYPES:
-            raise CorruptChainError(f"{where}: schema.model entry {e['name']!r} has dtype {dtype!r}, "
+        dims = tuple(d for d in shape if _is_count(d)) if isinstance(shape, list) else ()
+        if not isinstance(shape, list) or len(dims) != len(shape) or not _shape_ok(dims):
+            raise CorruptChainError(f"{where}: schema.model entry {name!r} has a malformed shape {shape!r}")
+        if dtype not in _NP_DTYPES or not isinstance(dtype, str):
+            raise CorruptChainError(f"{where}: schema.model entry {name!r} has dtype {dtype!r}, "
                                     "not one of spec §5.6.4")
-        entries[e["name"]] = (dtype, tuple(shape))
+        entries[name] = (dtype, dims)
         if e.get("role") == "parameter":
-            total += _numel(tuple(shape))
+            total += _numel(dims)
     for p in params:
         if p not in entries:
             raise CorruptChainError(f"{where}: schema.optimizer.params names {p!r}, which is not a stored "
@@ -325,7 +341,7 @@ def _shape_ok(shape: tuple[int, ...]) -> bool:
     return span < 1 << 63
 
 
-def check_slots(slots: tuple[SlotInfo, ...], schema: Any, kind: str, where: str) -> None:
+def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str) -> None:
     """Check a batch's slots against the chain's schema before anything of the batch is decoded (spec §10.3).
 
     Names are unique and in the namespaces of ``kind``, with its encoding; dtypes are those of
@@ -390,7 +406,7 @@ _PROFILE_DTYPES = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "
 _BOUNDED_CODECS = {"bytes", "transpose", "crc32c", "blosc", "gzip", "zstd"}
 
 
-def _is_count(x: Any) -> bool:
+def _is_count(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
 
 
@@ -400,7 +416,7 @@ class _ProfileArray:
     dtype: np.dtype
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
-    codecs: list[dict[str, Any]]
+    codecs: list[JSONObject]
     profile: bool = True
 
     @property
@@ -415,8 +431,8 @@ class _ProfileArray:
     def parse(cls, name: str, raw: bytes | np.ndarray, where: str) -> _ProfileArray:
         """The array's metadata, strictly parsed and checked for the array ``name`` (spec §10.2)."""
         key = f"{name}/zarr.json"
-        meta = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
-                          f"{where}/{key}", max_bytes=MAX_ZARR_JSON_BYTES, tagged=False)
+        meta: JSON = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
+                                f"{where}/{key}", max_bytes=MAX_ZARR_JSON_BYTES, tagged=False)
 
         def bad(why: str) -> CorruptChainError:
             return CorruptChainError(f"{where}/{key}: {why} (spec §10.2)")
@@ -431,24 +447,30 @@ class _ProfileArray:
         chunks = conf.get("chunk_shape") if isinstance(conf, dict) else None
         if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(chunks, list):
             raise bad("the chunk grid is not a regular grid")
-        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+        shape_t = tuple(s for s in shape if _is_count(s)) if isinstance(shape, list) else ()
+        if not isinstance(shape, list) or len(shape_t) != len(shape):
             raise bad(f"shape {shape!r} is not a list of non-negative integers")
-        if len(chunks) != len(shape) or not all(_is_count(c) and 1 <= c <= max(1, s)
-                                                for c, s in zip(chunks, shape, strict=False)):
+        chunks_t = tuple(c for c in chunks if _is_count(c))
+        if len(chunks) != len(shape) or len(chunks_t) != len(chunks) or not all(
+                1 <= c <= max(1, s) for c, s in zip(chunks_t, shape_t, strict=False)):
             raise bad(f"chunk shape {chunks!r} does not fit shape {shape}: every chunk dimension is at least 1 "
                       "and at most the array's dimension (or 1)")
         if len(shape) != (2 if name == "counts" else 1):
             raise bad(f"{name} has {len(shape)} dimensions")
-        if not isinstance(codecs, list) or not all(isinstance(c, dict) and isinstance(c.get("name"), str)
-                                                   for c in codecs):
+        named: list[JSONObject] = []
+        names: list[str] = []
+        for c in codecs if isinstance(codecs, list) else ():
+            codec_name = c.get("name") if isinstance(c, dict) else None
+            if isinstance(c, dict) and isinstance(codec_name, str):
+                named.append(c)
+                names.append(codec_name)
+        if not isinstance(codecs, list) or len(named) != len(codecs):
             raise bad("malformed codecs")
-        names = [c["name"] for c in codecs]
         unknown = sorted(set(names) - _BOUNDED_CODECS)
         if unknown or names.count("bytes") != 1 or any(n == "transpose" for n in names[names.index("bytes"):]):
             raise bad(f"codec chain {names}: this reader decodes only bytes, transpose, crc32c, blosc, gzip and "
                       "zstd, whose decompressed sizes it can check before decompressing")
-        shape_t, chunks_t = tuple(shape), tuple(chunks)
-        bytes_conf = codecs[0].get("configuration") or {}
+        bytes_conf = named[0].get("configuration") or {}
         key_conf = (keys.get("configuration") or {}) if isinstance(keys, dict) else {}
         profile = (names == ["bytes", "blosc", "crc32c"] and isinstance(bytes_conf, dict)
                    and bytes_conf.get("endian", "little") == "little"
@@ -456,7 +478,7 @@ class _ProfileArray:
                    and isinstance(key_conf, dict) and key_conf.get("separator", "/") == "/"
                    and not meta.get("storage_transformers")
                    and (len(shape_t) == 1 or all(s <= c for s, c in zip(shape_t, chunks_t, strict=True))))
-        return cls(name, np.dtype(_PROFILE_DTYPES[_ARRAY_DTYPES[name]]), shape_t, chunks_t, codecs, profile)
+        return cls(name, np.dtype(_PROFILE_DTYPES[_ARRAY_DTYPES[name]]), shape_t, chunks_t, named, profile)
 
     def decode_chunk(self, data: bytes | np.ndarray, key: str, where: str) -> np.ndarray:
         buf = np.frombuffer(data, np.uint8)
@@ -580,8 +602,8 @@ def _array_metadata(objects: Mapping[str, bytes | np.ndarray], where: str) -> di
     if "zarr.json" not in objects:
         raise CorruptChainError(f"{where}: the group metadata zarr.json is not listed (spec §10.2)")
     raw = objects["zarr.json"]
-    group = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
-                       f"{where}/zarr.json", max_bytes=MAX_ZARR_JSON_BYTES, tagged=False)
+    group: JSON = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
+                             f"{where}/zarr.json", max_bytes=MAX_ZARR_JSON_BYTES, tagged=False)
     if not isinstance(group, dict) or group.get("zarr_format") != 3 or group.get("node_type") != "group":
         raise CorruptChainError(f"{where}/zarr.json: not Zarr v3 group metadata (spec §10.2)")
     arrays = {}
@@ -639,7 +661,7 @@ def decode_batch(
     return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
 
 
-def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, Any], where: str) -> None:
+def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, object], where: str) -> None:
     # Zarr would read an unlisted (missing) chunk as fill value: refuse it (spec §10.2).
     if _numel(grid) > len(objects):  # before enumerating a grid a hostile shape makes huge
         raise CorruptChainError(f"{where}: {name} has {_numel(grid)} chunks; the commit record lists {len(objects)} "
@@ -793,7 +815,8 @@ def _torch_dtype(name: str) -> torch.dtype:
     return parse_dtype(name)
 
 
-SIGNED_NP: dict[int, Any] = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+SIGNED_NP: dict[int, type[np.uint8 | np.int16 | np.int32 | np.int64]] = {
+    1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def segment_to_tensor(seg: Segment, slot: SlotInfo) -> torch.Tensor:

@@ -8,9 +8,11 @@ warn when they replay elsewhere, and ``validate --deep`` measures the resulting 
 from __future__ import annotations
 
 import platform
-from typing import Any
+from collections.abc import Mapping
 
 import torch
+
+from .jsonvalue import JSON, JSONObject
 
 
 def cpu_capability() -> str:
@@ -20,7 +22,7 @@ def cpu_capability() -> str:
         return "unknown"
 
 
-def current_environment(device: str = "cpu") -> dict[str, Any]:
+def current_environment(device: str = "cpu") -> JSONObject:
     return {
         "torch": torch.__version__,
         "device": device,
@@ -29,9 +31,10 @@ def current_environment(device: str = "cpu") -> dict[str, Any]:
     }
 
 
-def differences(recorded: dict[str, Any], device: str = "cpu") -> list[str]:
+def differences(recorded: Mapping[str, JSON], device: str = "cpu") -> list[str]:
     """Human-readable differences between the recorded and the current environment."""
-    now = current_environment(recorded.get("device", device))
+    recorded_device = recorded.get("device", device)
+    now = current_environment(recorded_device if isinstance(recorded_device, str) else device)
     out = []
     if recorded.get("device", "cpu") != "cpu":
         out.append(f"device: recorded on {recorded['device']!r}, replayed on 'cpu'")

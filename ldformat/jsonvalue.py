@@ -13,14 +13,27 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NoReturn, TypeAlias
 
 import google_crc32c
 import numpy as np
 import torch
 
 from .errors import CorruptChainError, FormatError, UnsupportedStateError
+
+JSON: TypeAlias = "None | bool | int | float | str | list[JSON] | dict[str, JSON]"
+"""A JSON value: what :func:`parse_json` returns and :func:`encode` makes (spec §6).
+
+A value parsed from a file may be hostile: narrow it with ``isinstance`` before use.
+"""
+
+JSONObject: TypeAlias = "dict[str, JSON]"
+"""A JSON object: a record, the root file, or a member of them."""
+
+Decoded: TypeAlias = object
+"""A decoded value (:func:`decode`): JSON values plus tuples, bytes, small tensors,
+non-finite floats and dicts with keys of any of these types; narrow with ``isinstance``."""
 
 MAX_INLINE_TENSOR_BYTES = 1 << 20
 # Base64 text of MAX_INLINE_TENSOR_BYTES bytes (with padding): longer `$tensor` data is refused
@@ -66,7 +79,7 @@ def parse_dtype(name: str) -> torch.dtype:
         raise CorruptChainError(f"unknown dtype {name!r} in chain metadata") from None
 
 
-def encode(value: Any, where: str = "value") -> Any:
+def encode(value: object, where: str = "value") -> JSON:
     """Turn a Python value into plain JSON data, tagging what JSON cannot hold."""
     if value is None or isinstance(value, (bool, str)):
         return value
@@ -113,7 +126,7 @@ def encode(value: Any, where: str = "value") -> Any:
     )
 
 
-def decode(data: Any, where: str = "chain metadata") -> Any:
+def decode(data: JSON, where: str = "chain metadata") -> Decoded:
     """Inverse of :func:`encode`; a malformed tagged value raises CorruptChainError naming ``where``."""
     if isinstance(data, list):
         return [decode(v, where) for v in data]
@@ -137,23 +150,24 @@ def _bad(where: str, key: str, why: str) -> CorruptChainError:
     return CorruptChainError(f"{where}: malformed {key} value ({why}, spec §6.1)")
 
 
-def _decode_float(inner: Any, where: str) -> float:
-    if inner not in ("nan", "inf", "-inf"):
+def _decode_float(inner: JSON, where: str) -> float:
+    if not isinstance(inner, str) or inner not in ("nan", "inf", "-inf"):
         raise _bad(where, "$float", f"{inner!r} is not 'nan', 'inf' or '-inf'")
     return float(inner)
 
 
-def _decode_tuple(inner: Any, where: str) -> tuple[Any, ...]:
+def _decode_tuple(inner: JSON, where: str) -> tuple[Decoded, ...]:
     if not isinstance(inner, list):
         raise _bad(where, "$tuple", "not an array")
     return tuple(decode(v, where) for v in inner)
 
 
-def _decode_items(inner: Any, where: str) -> dict[Any, Any]:
-    if not isinstance(inner, list) or not all(isinstance(p, list) and len(p) == 2 for p in inner):
+def _decode_items(inner: JSON, where: str) -> dict[Decoded, Decoded]:
+    pairs = [p for p in inner if isinstance(p, list) and len(p) == 2] if isinstance(inner, list) else []
+    if not isinstance(inner, list) or len(pairs) != len(inner):
         raise _bad(where, "$items", "not an array of [key, value] pairs")
-    out: dict[Any, Any] = {}
-    for k, v in inner:
+    out: dict[Decoded, Decoded] = {}
+    for k, v in pairs:
         key = decode(k, where)
         try:
             out[key] = decode(v, where)
@@ -162,7 +176,7 @@ def _decode_items(inner: Any, where: str) -> dict[Any, Any]:
     return out
 
 
-def _base64(text: Any, where: str, key: str, limit: int | None) -> bytes:
+def _base64(text: JSON, where: str, key: str, limit: int | None) -> bytes:
     if not isinstance(text, str):
         raise _bad(where, key, "the data is not a string")
     if limit is not None and len(text) > 4 * -(-limit // 3):
@@ -171,40 +185,44 @@ def _base64(text: Any, where: str, key: str, limit: int | None) -> bytes:
     return base64.b64decode(text, validate=True)
 
 
-def _decode_bytes(inner: Any, where: str) -> bytes:
+def _decode_bytes(inner: JSON, where: str) -> bytes:
     return _base64(inner, where, "$bytes", None)
 
 
-def _decode_tensor(inner: Any, where: str) -> torch.Tensor:
+def _decode_tensor(inner: JSON, where: str) -> torch.Tensor:
     if not isinstance(inner, dict) or set(inner) != {"dtype", "shape", "data"}:
         raise _bad(where, "$tensor", "not an object of dtype, shape and data")
     raw = _base64(inner["data"], where, "$tensor", MAX_INLINE_TENSOR_BYTES)
     if len(raw) > MAX_INLINE_TENSOR_BYTES:
         raise CorruptChainError(f"{where}: a $tensor value holds {len(raw)} bytes of data, more than the "
                                 f"{MAX_INLINE_TENSOR_BYTES} of spec §21.4")
-    if not isinstance(inner["dtype"], str) or inner["dtype"] not in _DTYPES:
-        raise _bad(where, "$tensor", f"unknown dtype {inner['dtype']!r}")
-    dtype = _DTYPES[inner["dtype"]]
+    name = inner["dtype"]
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise _bad(where, "$tensor", f"unknown dtype {name!r}")
+    dtype = _DTYPES[name]
     shape = inner["shape"]
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                              for d in shape):
+    dims = [d for d in shape if isinstance(d, int) and not isinstance(d, bool) and d >= 0] \
+        if isinstance(shape, list) else []
+    if not isinstance(shape, list) or len(dims) != len(shape):
         raise _bad(where, "$tensor", f"shape {shape!r} is not a list of non-negative integers")
     numel = span = 1
-    for d in shape:
+    for d in dims:
         numel *= d
         span *= max(1, d)
     width = torch.empty(0, dtype=dtype).element_size()
     if numel * width != len(raw) or span >= 1 << 63:
-        raise _bad(where, "$tensor", f"{len(raw)} bytes of data for shape {shape} of {inner['dtype']}")
+        raise _bad(where, "$tensor", f"{len(raw)} bytes of data for shape {shape} of {name}")
     if dtype == torch.bool and raw.translate(None, b"\x00\x01"):
         raise _bad(where, "$tensor", "a bool byte is not 0 or 1")
     buf = bytearray(raw)
     flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(shape).clone()
+    return flat.view(dtype).reshape(dims).clone()
 
 
-_TAGS = {"$float": _decode_float, "$tuple": _decode_tuple, "$items": _decode_items, "$bytes": _decode_bytes,
-         "$tensor": _decode_tensor}
+_TAGS: dict[str, Callable[[JSON, str], Decoded]] = {
+    "$float": _decode_float, "$tuple": _decode_tuple, "$items": _decode_items, "$bytes": _decode_bytes,
+    "$tensor": _decode_tensor,
+}
 
 
 # -- strict parsing (spec §6.4) ------------------------------------------------------------
@@ -229,11 +247,11 @@ def _parse_float(text: str) -> float:
     return value
 
 
-def _parse_constant(name: str) -> Any:
+def _parse_constant(name: str) -> NoReturn:
     raise _Reject(f"{name} is not JSON (non-finite floats are tagged values, spec §6.1)")
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _object(pairs: list[tuple[str, JSON]]) -> JSONObject:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
@@ -244,7 +262,7 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _tagged_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def _tagged_object(pairs: list[tuple[str, JSON]]) -> JSONObject:
     out = _object(pairs)
     if len(out) == 1 and "$tensor" in out:
         inner = out["$tensor"]
@@ -262,13 +280,13 @@ def _base64_size(text: str) -> int:
     return len(text) // 4 * 3 - text[-2:].count("=")
 
 
-def _check_nesting(doc: Any) -> None:
+def _check_nesting(doc: JSON) -> None:
     """Depth at most MAX_JSON_DEPTH and no unpaired surrogate in any string (iterative)."""
-    stack: list[tuple[Any, int]] = [(doc, 1)]
+    stack: list[tuple[JSON, int]] = [(doc, 1)]
     while stack:
         value, depth = stack.pop()
         if isinstance(value, dict):
-            items: Iterable[Any] = value.values()
+            items: Iterable[JSON] = value.values()
             for key in value:
                 if not key.isascii():
                     _check_text(key)
@@ -294,6 +312,8 @@ def _check_text(text: str) -> None:
         raise _Reject("a string holds an unpaired UTF-16 surrogate escape") from None
 
 
+# Any, not JSON: a JSON value whose callers may index members they checked with ``.get()``
+# (which JSON would not allow); callers that keep the value annotate it as JSON.
 def parse_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: int, tagged: bool = True) -> Any:
     """Parse a record, root, lock or Zarr metadata file by the rules of spec §6.4.
 
@@ -314,7 +334,7 @@ def parse_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: i
     decoder = json.JSONDecoder(object_pairs_hook=_tagged_object if tagged else _object, parse_int=_parse_int,
                                parse_float=_parse_float, parse_constant=_parse_constant)
     try:
-        doc = decoder.decode(text)
+        doc: JSON = decoder.decode(text)
         _check_nesting(doc)
     except _Reject as e:
         why = str(e)
@@ -330,7 +350,7 @@ def parse_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: i
                       "was not written by a conforming writer: restore it from a copy")
 
 
-def canonical(obj: Any) -> bytes:
+def canonical(obj: JSON) -> bytes:
     """The canonical bytes of a JSON document: sorted keys, no spaces, ASCII."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
@@ -376,13 +396,13 @@ def object_checksum_parts(path: str, parts: Iterable[bytes | bytearray | memoryv
     return f"{crc:08x}"
 
 
-def with_checksum(doc: dict[str, Any]) -> dict[str, Any]:
+def with_checksum(doc: Mapping[str, JSON]) -> JSONObject:
     """Return ``doc`` with its ``checksum`` field set (crc32c of the canonical form without it)."""
     body = {k: v for k, v in doc.items() if k != "checksum"}
     return {**body, "checksum": crc32c_hex(canonical(body))}
 
 
-def verify_checksum(doc: dict[str, Any], where: str) -> None:
+def verify_checksum(doc: Mapping[str, JSON], where: str) -> None:
     body = {k: v for k, v in doc.items() if k != "checksum"}
     expected = crc32c_hex(canonical(body))
     if doc.get("checksum") != expected:

@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from .errors import CorruptChainError, FormatError, NotAChainError, UnsupportedVersionError
-from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, parse_json, verify_checksum, with_checksum
+from .jsonvalue import (
+    JSON,
+    MAX_RECORD_BYTES,
+    MAX_ROOT_BYTES,
+    JSONObject,
+    canonical,
+    parse_json,
+    verify_checksum,
+    with_checksum,
+)
 from .stores import check_relative_path
 
 FORMAT_NAME = "ldformat"
@@ -21,9 +31,16 @@ FORMAT_VERSION = "1.1"
 FORMAT_MAJOR = 1
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
+RecordType = Literal["append", "snapshot"]
+RECORD_TYPES: tuple[RecordType, ...] = get_args(RecordType)
+Encoding = Literal["sparse", "dense", "xor"]
+"""How a delta batch stores a slot's values (spec §10.3)."""
+ENCODINGS: tuple[Encoding, ...] = get_args(Encoding)
+
+_Scalar = TypeVar("_Scalar", int, str, bool)
 
 
-def _check_fields(doc: dict[str, Any], known: set[str], where: str) -> None:
+def _check_fields(doc: Mapping[str, JSON], known: set[str], where: str) -> None:
     for key, value in doc.items():
         if key in known:
             continue
@@ -35,13 +52,35 @@ def _check_fields(doc: dict[str, Any], known: set[str], where: str) -> None:
         )
 
 
-def _require(doc: dict[str, Any], key: str, types: type | tuple[type, ...], where: str) -> Any:
+def _field(doc: Mapping[str, JSON], key: str, where: str) -> JSON:
     if key not in doc:
         raise CorruptChainError(f"{where}: missing field {key!r}")
-    value = doc[key]
-    allowed = types if isinstance(types, tuple) else (types,)
-    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
-        raise CorruptChainError(f"{where}: field {key!r} has the wrong type")
+    return doc[key]
+
+
+def _wrong_type(key: str, where: str) -> CorruptChainError:
+    return CorruptChainError(f"{where}: field {key!r} has the wrong type")
+
+
+def _require(doc: Mapping[str, JSON], key: str, typ: type[_Scalar], where: str) -> _Scalar:
+    """Member ``key`` of ``doc``, an instance of ``typ`` (``True`` is not an int here)."""
+    value = _field(doc, key, where)
+    if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
+        raise _wrong_type(key, where)
+    return value
+
+
+def _require_list(doc: Mapping[str, JSON], key: str, where: str) -> list[JSON]:
+    value = _field(doc, key, where)
+    if not isinstance(value, list):
+        raise _wrong_type(key, where)
+    return value
+
+
+def _require_object(doc: Mapping[str, JSON], key: str, where: str) -> JSONObject:
+    value = _field(doc, key, where)
+    if not isinstance(value, dict):
+        raise _wrong_type(key, where)
     return value
 
 
@@ -61,11 +100,11 @@ class ObjectRef:
     size: int
     crc32c: str
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"path": self.path, "size": self.size, "crc32c": self.crc32c}
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> ObjectRef:
+    def from_dict(cls, d: JSON, where: str) -> ObjectRef:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: object reference is not an object")
         _check_fields(d, {"path", "size", "crc32c"}, where)
@@ -83,10 +122,10 @@ class AnchorEntry:
 
     step: int
     object: ObjectRef
-    param_groups: Any
-    extra: Any
+    param_groups: JSON  # encoded (spec §6); an array of param groups
+    extra: JSON  # encoded; an object
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "step": self.step,
             "object": self.object.to_dict(),
@@ -95,7 +134,7 @@ class AnchorEntry:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> AnchorEntry:
+    def from_dict(cls, d: JSON, where: str) -> AnchorEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: anchor entry is not an object")
         _check_fields(d, {"step", "object", "param_groups", "extra"}, where)
@@ -106,8 +145,8 @@ class AnchorEntry:
         return cls(
             step=step,
             object=ref,
-            param_groups=_require(d, "param_groups", list, where),
-            extra=_require(d, "extra", dict, where),
+            param_groups=_require_list(d, "param_groups", where),
+            extra=_require_object(d, "extra", where),
         )
 
 
@@ -118,7 +157,7 @@ class SlotInfo:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    encoding: str  # "sparse" | "dense" | "xor"
+    encoding: str  # an Encoding: "sparse" | "dense" | "xor" (checked when read)
 
     @property
     def numel(self) -> int:
@@ -127,22 +166,23 @@ class SlotInfo:
             n *= s
         return n
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding}
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> SlotInfo:
+    def from_dict(cls, d: JSON, where: str) -> SlotInfo:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: slot is not an object")
         _check_fields(d, {"name", "dtype", "shape", "encoding"}, where)
         enc = _require(d, "encoding", str, where)
-        if enc not in ("sparse", "dense", "xor"):
+        if enc not in ENCODINGS:
             raise UnsupportedVersionError(f"{where}: unknown slot encoding {enc!r}")
-        shape = _require(d, "shape", list, where)
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
+        shape = _require_list(d, "shape", where)
+        dims = [s for s in shape if isinstance(s, int) and s >= 0]
+        if len(dims) != len(shape):
             raise CorruptChainError(f"{where}: malformed shape")
         return cls(name=_require(d, "name", str, where), dtype=_require(d, "dtype", str, where),
-                   shape=tuple(shape), encoding=enc)
+                   shape=tuple(dims), encoding=enc)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,11 +193,11 @@ class StepEntry:
     base: int
     row: int
     stepped: bool
-    hyper: Any
-    param_groups: Any
-    extra: Any
+    hyper: JSON  # encoded (spec §6); null or an array of param groups without params
+    param_groups: JSON  # encoded; an array of param groups
+    extra: JSON  # encoded; an object
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "step": self.step,
             "base": self.base,
@@ -169,7 +209,7 @@ class StepEntry:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> StepEntry:
+    def from_dict(cls, d: JSON, where: str) -> StepEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: step entry is not an object")
         _check_fields(d, {"step", "base", "row", "stepped", "hyper", "param_groups", "extra"}, where)
@@ -186,8 +226,8 @@ class StepEntry:
             row=_require(d, "row", int, where),
             stepped=_require(d, "stepped", bool, where),
             hyper=hyper,
-            param_groups=_require(d, "param_groups", list, where),
-            extra=_require(d, "extra", dict, where),
+            param_groups=_require_list(d, "param_groups", where),
+            extra=_require_object(d, "extra", where),
         )
 
 
@@ -201,7 +241,7 @@ class DeltaEntry:
     rows: int
     steps: tuple[StepEntry, ...]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "path": self.path,
             "objects": [o.to_dict() for o in self.objects],
@@ -211,7 +251,7 @@ class DeltaEntry:
         }
 
     @classmethod
-    def from_dict(cls, d: Any, where: str) -> DeltaEntry:
+    def from_dict(cls, d: JSON, where: str) -> DeltaEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: delta entry is not an object")
         _check_fields(d, {"path", "objects", "slots", "rows", "steps"}, where)
@@ -220,14 +260,14 @@ class DeltaEntry:
             raise CorruptChainError(f"{where}: delta entry names {path!r}, outside deltas/ (spec §4.2)")
         w = f"{where} delta {path}"
         rows = _require(d, "rows", int, w)
-        steps = tuple(StepEntry.from_dict(s, w) for s in _require(d, "steps", list, w))
+        steps = tuple(StepEntry.from_dict(s, w) for s in _require_list(d, "steps", w))
         for s in steps:
             if not 0 <= s.row < rows:
                 raise CorruptChainError(f"{w}: step {s.step} points at row {s.row} of {rows}")
         return cls(
             path=path,
-            objects=tuple(ObjectRef.from_dict(o, w) for o in _require(d, "objects", list, w)),
-            slots=tuple(SlotInfo.from_dict(s, w) for s in _require(d, "slots", list, w)),
+            objects=tuple(ObjectRef.from_dict(o, w) for o in _require_list(d, "objects", w)),
+            slots=tuple(SlotInfo.from_dict(s, w) for s in _require_list(d, "slots", w)),
             rows=rows,
             steps=steps,
         )
@@ -238,7 +278,7 @@ class Record:
     """One commit record. ``append`` adds entries; ``snapshot`` states the whole chain."""
 
     seq: int
-    type: str
+    type: RecordType
     prev: str | None
     time: str
     writer: str
@@ -247,7 +287,7 @@ class Record:
     deltas: tuple[DeltaEntry, ...]
     checksum: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return with_checksum(
             {
                 "seq": self.seq,
@@ -266,7 +306,7 @@ class Record:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Record:
-        d = parse_json(data, where, max_bytes=MAX_RECORD_BYTES)
+        d: JSON = parse_json(data, where, max_bytes=MAX_RECORD_BYTES)
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: record is not a JSON object")
         verify_checksum(d, where)
@@ -277,7 +317,7 @@ class Record:
             )
         _check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
         rtype = _require(d, "type", str, where)
-        if rtype not in ("append", "snapshot"):
+        if rtype not in RECORD_TYPES:
             raise UnsupportedVersionError(f"{where}: unknown record type {rtype!r}")
         prev = d.get("prev")
         if prev is not None and not isinstance(prev, str):
@@ -289,8 +329,8 @@ class Record:
             time=_require(d, "time", str, where),
             writer=_require(d, "writer", str, where),
             reason=_require(d, "reason", str, where),
-            anchors=tuple(AnchorEntry.from_dict(a, where) for a in _require(d, "anchors", list, where)),
-            deltas=tuple(DeltaEntry.from_dict(x, where) for x in _require(d, "deltas", list, where)),
+            anchors=tuple(AnchorEntry.from_dict(a, where) for a in _require_list(d, "anchors", where)),
+            deltas=tuple(DeltaEntry.from_dict(x, where) for x in _require_list(d, "deltas", where)),
             checksum=_require(d, "checksum", str, where),
         )
 
@@ -302,11 +342,12 @@ class RootMetadata:
     format_version: str
     chain_id: str
     created: str
-    kind: str
+    kind: str  # a Kind (checked when read)
+    # Any: unchecked JSON until checks.Schema.of parses it; a writer indexes the schema it built.
     schema: dict[str, Any]
-    environment: dict[str, Any]
+    environment: JSONObject
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return with_checksum(
             {
                 "format": FORMAT_NAME,
@@ -324,7 +365,7 @@ class RootMetadata:
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> RootMetadata:
-        d = parse_json(data, where, max_bytes=MAX_ROOT_BYTES)
+        d: JSON = parse_json(data, where, max_bytes=MAX_ROOT_BYTES)
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise NotAChainError(f"{where}: not an ldformat root metadata file")
         version = d.get("format_version")
@@ -347,8 +388,8 @@ class RootMetadata:
             chain_id=_require(d, "chain_id", str, where),
             created=_require(d, "created", str, where),
             kind=kind,
-            schema=_require(d, "schema", dict, where),
-            environment=_require(d, "environment", dict, where),
+            schema=_require_object(d, "schema", where),
+            environment=_require_object(d, "environment", where),
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -33,9 +33,9 @@ from .checks import (
 )
 from .delta import Segment, dense_view, fill_from_segment, segment_to_tensor, xor_into
 from .errors import CorruptChainError
-from .jsonvalue import dtype_name, parse_dtype
+from .jsonvalue import JSON, dtype_name, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
-from .state import bits_view, live_optimizer_tensors
+from .state import ParamGroup, bits_view, live_optimizer_tensors
 
 
 # -- the optimizer, shared by Replayer and ProxyReplayer ------------------------------------------
@@ -57,14 +57,17 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.requires_grad_(True) if t.is_floating_point() or t.is_complex() else t
 
 
-def build_optimizer(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], groups: list[Any],
+def build_optimizer(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], groups: list[ParamGroup],
                     state: dict[int, dict[str, torch.Tensor]], where: str) -> torch.optim.Optimizer:
     """``cls([{**group without params, "params": [p_i, ...]}, ...])`` then ``load_state_dict``
     (spec §11.5); ``groups`` passed :func:`~ldformat.checks.check_param_groups`."""
-    built = [{**{k: v for k, v in g.items() if k != "params"}, "params": [params[i] for i in g["params"]]}
+    # check_param_groups checked each group's params: a list of parameter indices.
+    built = [{**{k: v for k, v in g.items() if k != "params"},
+              "params": [params[i] for i in cast("list[int]", g["params"])]}
              for g in groups]
     try:
-        opt = cls(built)  # type: ignore[call-arg]
+        # torch types group keys as str; a group's $items encoding may give it others, kept as they are.
+        opt = cls(built)  # type: ignore[call-arg, arg-type]
         opt.load_state_dict({"state": state, "param_groups": groups})
     except Exception as e:  # torch's own checks of the stored state (types, sizes, keys)
         raise CorruptChainError(f"{where}: cannot rebuild torch.optim.{cls.__name__} from the anchor's optimizer "
@@ -72,12 +75,12 @@ def build_optimizer(cls: type[torch.optim.Optimizer], params: list[torch.Tensor]
     return opt
 
 
-def use_hyperparameters(opt: torch.optim.Optimizer, hyper: list[Any]) -> None:
+def use_hyperparameters(opt: torch.optim.Optimizer, hyper: list[ParamGroup]) -> None:
     """Replace every member of each group except ``params`` by the members of ``hyper[g]``."""
     for group, used in zip(opt.param_groups, hyper, strict=True):
         params = group["params"]
         group.clear()
-        group.update(used)
+        group.update(used)  # type: ignore[arg-type]  # keys as in build_optimizer
         group["params"] = params
 
 
@@ -111,7 +114,7 @@ class _Metas(Mapping[str, TensorMeta]):
 class Replayer:
     """A state being rolled forward, starting from an anchor."""
 
-    def __init__(self, root: RootMetadata, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any,
+    def __init__(self, root: RootMetadata, tensors: dict[str, torch.Tensor], param_groups: JSON, extra: JSON,
                  *, chain: str = "") -> None:
         self.root = root
         self.schema = Schema.of(root, chain)
@@ -216,6 +219,7 @@ class Replayer:
                 del self.tensors[name]
             self.tensors.update(live_optimizer_tensors(self._optimizer))
 
+    # Any: a materialized state (ChainReader.materialize), whose values are torch state dicts.
     def result(self, step: int, where: str = "") -> dict[str, Any]:
         where = where or f"step {step}"
         self.sync_optimizer_tensors()
@@ -245,7 +249,7 @@ class ProxyReplayer:
     """
 
     def __init__(self, schema: Schema, rules: OptimizerRules, anchor: Mapping[str, torch.Tensor],
-                 param_groups: Any, where: str) -> None:
+                 param_groups: JSON, where: str) -> None:
         self.schema, self.rules = schema, rules
         self.params = [_leaf(torch.zeros((1,) * len(shape), dtype=parse_dtype(dtype)))
                        for dtype, shape in (schema.param_meta(i) for i in range(len(schema.params)))]
@@ -253,7 +257,7 @@ class ProxyReplayer:
         self.param_groups = param_groups
         self.optimizer: torch.optim.Optimizer | None = None
 
-    def apply(self, entry: StepEntry, hyper: list[Any] | None, grads: Collection[int], where: str) -> None:
+    def apply(self, entry: StepEntry, hyper: list[ParamGroup] | None, grads: Collection[int], where: str) -> None:
         """Step with ``hyper`` (from :func:`~ldformat.checks.check_hyper`) and gradients for ``grads``."""
         if entry.stepped and hyper is not None:
             if self.optimizer is None:

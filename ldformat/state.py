@@ -12,29 +12,50 @@ extra state. Stored tensor names are::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal, TypeAlias, TypedDict
 
 import torch
 
 from .errors import UnsupportedStateError, UsageError
-from .jsonvalue import dtype_name, encode
+from .jsonvalue import JSON, Decoded, dtype_name, encode
+
+Role = Literal["parameter", "buffer"]
+"""The role of a ``schema.model`` entry (spec §5.6.1)."""
+
+
+class ModelEntry(TypedDict):
+    """One ``schema.model`` entry (spec §5.6.1), as :func:`model_schema` makes it."""
+
+    name: str
+    role: Role
+    dtype: str
+    shape: list[int]
+    alias_of: str | None
+
+
+ParamGroup: TypeAlias = dict[Decoded, Decoded]
+"""A decoded param group (spec §8): ``Optimizer.param_groups[g]`` with ``params`` as indices.
+
+Keys are strings, except in a group whose ``$items`` encoding gives it others.
+"""
 
 
 @dataclass
 class TrainingState:
-    """A materialized state: tensors keyed by stored name plus JSON-able parts."""
+    """A materialized state: tensors keyed by stored name plus the decoded JSON parts."""
 
     tensors: dict[str, torch.Tensor]
-    param_groups: list[dict[str, Any]]
-    extra: dict[str, Any] = field(default_factory=dict)
+    param_groups: list[ParamGroup]
+    extra: dict[Decoded, Decoded] = field(default_factory=dict)
 
 
-def model_schema(model: torch.nn.Module) -> list[dict[str, Any]]:
+def model_schema(model: torch.nn.Module) -> list[ModelEntry]:
     """One entry per ``state_dict`` key: role, dtype, shape and the key it aliases."""
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: dict[int, str] = {}
-    entries = []
+    entries: list[ModelEntry] = []
     for name, value in model.state_dict(keep_vars=True).items():
         if not isinstance(value, torch.Tensor):
             raise UnsupportedStateError(
@@ -59,7 +80,7 @@ def model_schema(model: torch.nn.Module) -> list[dict[str, Any]]:
     return entries
 
 
-def _refuse_partial_overlap(model: torch.nn.Module, entries: list[dict[str, Any]]) -> None:
+def _refuse_partial_overlap(model: torch.nn.Module, entries: list[ModelEntry]) -> None:
     sd = model.state_dict(keep_vars=True)
     owners: dict[int, str] = {}
     for e in entries:
@@ -77,7 +98,7 @@ def _refuse_partial_overlap(model: torch.nn.Module, entries: list[dict[str, Any]
         owners[ptr] = e["name"]
 
 
-def live_model_tensors(model: torch.nn.Module, schema: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+def live_model_tensors(model: torch.nn.Module, schema: Sequence[ModelEntry]) -> dict[str, torch.Tensor]:
     """``model/<name>`` -> live tensor, for every non-alias entry."""
     sd = model.state_dict(keep_vars=True)
     out = {}
@@ -108,12 +129,12 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
-def encode_param_groups(optimizer: torch.optim.Optimizer, *, with_params: bool) -> list[dict[str, Any]]:
+def encode_param_groups(optimizer: torch.optim.Optimizer, *, with_params: bool) -> list[JSON]:
     """The param groups as JSON: ``params`` as indices (as in ``Optimizer.state_dict``)."""
     out = []
     index = 0
     for i, group in enumerate(optimizer.param_groups):
-        body = {}
+        body: dict[str, object] = {}
         for k, v in group.items():
             if k == "params":
                 continue
@@ -155,9 +176,10 @@ def optimizer_class_name(optimizer: torch.optim.Optimizer) -> tuple[str, bool]:
     return f"{cls.__module__}.{cls.__qualname__}", False
 
 
-def resolve_implementation(optimizer: torch.optim.Optimizer) -> list[str]:
-    """The kernel path each param group takes: ``fused``, ``foreach`` or ``for-loop``."""
-    out = []
+def resolve_implementation(optimizer: torch.optim.Optimizer) -> list[JSON]:
+    """The kernel path each param group takes: ``fused``, ``foreach`` or ``for-loop`` (strings,
+    recorded in the root's ``environment``)."""
+    out: list[JSON] = []
     for group in optimizer.param_groups:
         if group.get("fused"):
             out.append("fused")
@@ -178,7 +200,7 @@ def resolve_implementation(optimizer: torch.optim.Optimizer) -> list[str]:
     return out
 
 
-def check_schema_matches(stored: list[dict[str, Any]], live: list[dict[str, Any]], where: str) -> None:
+def check_schema_matches(stored: Sequence[ModelEntry], live: Sequence[ModelEntry], where: str) -> None:
     if stored != live:
         s = {e["name"]: e for e in stored}
         lv = {e["name"]: e for e in live}

@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
@@ -30,12 +30,16 @@ from .checks import (
     xor_step_changes,
 )
 from .errors import ChainError, CorruptChainError, LdformatError, NotAChainError
-from .jsonvalue import crc32c_hex
+from .jsonvalue import JSONObject, crc32c_hex
 from .log import ROOT_FILE, log_path, log_sequence_numbers
 from .reader import ChainReader, open_store
 from .replay import ProxyReplayer, stand_in
-from .state import bits_view
+from .state import ParamGroup, bits_view
 from .stores import Store
+
+_Walker: TypeAlias = "dict[str, TensorMeta] | ProxyReplayer"
+"""What the replay-path walk carries along a path: the tensors' (dtype, shape) for state.xor,
+the optimizer on stand-ins for gradient kinds."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class Problem:
         where = self.path + (f" (step {self.step})" if self.step is not None else "")
         return f"{where}: {self.message}"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {"path": self.path, "step": self.step, "message": self.message}
 
 
@@ -62,24 +66,24 @@ class ValidationReport:
     anchors: list[int] = field(default_factory=list)
     latest_step: int | None = None
     problems: list[Problem] = field(default_factory=list)
-    drift: list[dict[str, Any]] = field(default_factory=list)
+    drift: list[JSONObject] = field(default_factory=list)
     deep: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JSONObject:
         return {
             "path": self.path,
             "ok": self.ok,
             "kind": self.kind,
             "steps": self.steps,
-            "anchors": self.anchors,
+            "anchors": list(self.anchors),
             "latest_step": self.latest_step,
             "deep": self.deep,
             "problems": [p.to_dict() for p in self.problems],
-            "drift": self.drift,
+            "drift": list(self.drift),
         }
 
 
@@ -102,6 +106,7 @@ def validate(
     *,
     store: Store | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> ValidationReport:
     """Check a chain and return a report (``report.ok``, ``report.problems``).
 
@@ -114,10 +119,13 @@ def validate(
     may come from reading two versions of the chain, so validation starts again (at most
     :data:`VALIDATE_ATTEMPTS` times in all).
 
+    ``path`` may be a URL (``s3://bucket/prefix``, ...; ``storage_options`` override the
+    object store's environment variables, see :func:`ldformat.stores.open_store`).
+
     Raises:
         NotAChainError: ``path`` is not a chain at all (nothing to validate).
     """
-    store = open_store(path, store)
+    store = open_store(path, store, storage_options)
     report = ValidationReport(path=str(path), deep=deep)
     for attempt in range(VALIDATE_ATTEMPTS):
         head = _log_head(store)
@@ -158,7 +166,7 @@ class _Validation:
         self.roots: dict[int, dict[str, torch.Tensor]] = {}  # anchor -> its optimizer/... tensors (stand-ins)
         self.metas: dict[int, dict[str, TensorMeta]] = {}  # anchor -> (dtype, shape) of its tensors
         self.presence: dict[str, np.ndarray] = {}  # batch path -> counts >= 0, [rows, slots]
-        self.hyper: dict[int, list[Any] | None] = {}  # step -> decoded hyper (steps that passed)
+        self.hyper: dict[int, list[ParamGroup] | None] = {}  # step -> decoded hyper (steps that passed)
         self.stored: dict[int, dict[str, torch.Tensor]] = {}  # deep: anchor -> its tensors
         self.schema: Schema | None = None
         self.rules: OptimizerRules | None = None  # gradient kinds: the optimizer class and its group members
@@ -282,7 +290,7 @@ class _Validation:
                 _reraise_unless_problem(e)
                 self.problem(f"{self.reader.path}/{state.anchors[a].object.path}", a, e)
                 continue
-            stack: list[tuple[int, Any]] = [(a, start)]
+            stack: list[tuple[int, _Walker]] = [(a, start)]
             while stack:
                 node, current = stack.pop()
                 kids = sorted(children.get(node, ()))
@@ -292,7 +300,7 @@ class _Validation:
                     if self.apply(mine, c) and c not in state.anchors:
                         stack.append((c, mine))
 
-    def start(self, schema: Schema, anchor: int) -> Any:
+    def start(self, schema: Schema, anchor: int) -> _Walker:
         entry = self.reader.state.anchors[anchor]
         if self.rules is None:  # state.xor: the tensors' names, dtypes and shapes
             return dict(self.metas[anchor])
@@ -300,10 +308,10 @@ class _Validation:
         return ProxyReplayer(schema, self.rules, self.roots[anchor], entry.param_groups, where)
 
     @staticmethod
-    def copy(current: Any) -> Any:
+    def copy(current: _Walker) -> _Walker:
         return current.copy() if isinstance(current, (dict, ProxyReplayer)) else current
 
-    def apply(self, current: Any, step: int) -> bool:
+    def apply(self, current: _Walker, step: int) -> bool:
         """Apply the delta of ``step`` to ``current``; False (and a problem) if replay could not."""
         d, e = self.reader.state.deltas[step]
         where = f"{self.reader.path}/{d.path}"

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 class Stateful(Protocol):
     """A training object whose state is captured: a scheduler, a GradScaler, a sampler."""
 
+    # Any: a torch-style state dict, whatever the object keeps (torch types them so too).
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
@@ -20,10 +21,10 @@ class Stateful(Protocol):
 
 def loop_extra(
     *,
-    rng: dict[str, Any],
+    rng: dict[str, object],
     scheduler: Stateful | None,
     scaler: Stateful | None,
-    data: dict[str, Any] | None,
+    data: dict[str, object] | None,
     policy: dict[str, object],
     user: dict[str, object],
 ) -> dict[str, object]:

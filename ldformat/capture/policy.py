@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +86,7 @@ class AdaptiveTuner:
     _stall: float = 0.0
     _time: float = 0.0
     _steps: int = 0
-    history: list[dict[str, Any]] | None = None
+    history: list[dict[str, object]] | None = None
 
     def observe(self, stall_s: float, step_s: float) -> None:
         self._stall += stall_s

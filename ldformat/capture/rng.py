@@ -3,14 +3,36 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 
-def capture_rng() -> dict[str, Any]:
+class NumpyRngState(TypedDict):
+    """NumPy's legacy global state (``np.random.get_state(legacy=True)``), ``keys`` as int32 bits."""
+
+    name: str
+    keys: torch.Tensor
+    pos: int
+    has_gauss: int
+    gauss: float
+
+
+class _TorchRngState(TypedDict):
+    torch: torch.Tensor
+
+
+class RngState(_TorchRngState, total=False):
+    """The ``rng`` member of the extra state (spec §19.2), decoded."""
+
+    python: tuple[int, tuple[int, ...], float | None]  # random.getstate()
+    cuda: list[torch.Tensor]
+    numpy: NumpyRngState
+
+
+def capture_rng() -> dict[str, object]:
     """CPU and CUDA torch generators, Python's ``random``, and NumPy's legacy global state."""
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state: dict[str, object] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = [s for s in torch.cuda.get_rng_state_all()]
     try:
@@ -25,7 +47,7 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     torch.set_rng_state(state["torch"])
     if "python" in state:
         version, internal, gauss = state["python"]

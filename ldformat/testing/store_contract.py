@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import array
 import multiprocessing
+import multiprocessing.queues
+import multiprocessing.synchronize
 import sys
 import threading
 from collections.abc import Callable
@@ -606,7 +608,9 @@ def _child_content(child: int, name: str) -> bytes:
     return f"{name} created by child {child}; ".encode() * 1000
 
 
-def _race_in_child(opener: Callable[[], Store], child: int, names: list[str], start: Any, results: Any) -> None:
+def _race_in_child(opener: Callable[[], Store], child: int, names: list[str],
+                   start: multiprocessing.synchronize.Barrier,
+                   results: multiprocessing.queues.Queue[tuple[int, list[str]] | str]) -> None:
     """One racer of the process race: create every name as soon as all racers are ready."""
     try:
         store = opener()
