@@ -77,4 +77,6 @@ from .capture import (  # noqa: E402
 
 __all__ += ["Checkpointer", "ResidualPeer", "ResumableSampler", "TopKCommState", "resume", "topk_comm_hook"]
 
+from .replicate import ReplicaDivergedError, SyncReport, sync  # noqa: E402
 
+__all__ += ["ReplicaDivergedError", "SyncReport", "sync"]

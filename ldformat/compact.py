@@ -104,6 +104,7 @@ def compact(
     break_lock: bool = False,
     lock_wait: float = 0.0,
     progress: Callable[[str, int, int], None] | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> CompactionPlan:
     """Bound replay length, apply retention and remove garbage.
 
@@ -113,13 +114,15 @@ def compact(
         keep_last: keep the newest ``keep_last`` steps materializable.
         keep_every: also keep every step that is a multiple of ``keep_every``.
         dry_run: compute and return the plan without changing anything.
+        store, storage_options: an explicit store, or settings of the object store at the
+            URL ``path`` (see :func:`ldformat.stores.open_store`).
 
     Every step that stays materializes bit-identically before and after. Running it twice
     changes nothing the second time.
     """
     if max_replay is not None and max_replay < 0:
         raise UsageError("max_replay must be >= 0")
-    reader = ChainReader(path, store=store)
+    reader = ChainReader(path, store=store, storage_options=storage_options)
     if dry_run:
         return _compact(reader, None, max_replay, keep_last, keep_every, progress)
     lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
@@ -310,13 +313,14 @@ def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[Anchor
 
 
 def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,
-             break_lock: bool = False, lock_wait: float = 0.0) -> list[int]:
+             break_lock: bool = False, lock_wait: float = 0.0,
+             storage_options: dict[str, Any] | None = None) -> list[int]:
     """Remove every step after ``after`` (rewind after a loss spike). Returns the removed steps.
 
     Crash-safe: one snapshot record switches the chain to the truncated view. A writer can
     then re-open the chain and append from ``after + 1``.
     """
-    reader = ChainReader(path, store=store)
+    reader = ChainReader(path, store=store, storage_options=storage_options)
     lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)

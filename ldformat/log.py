@@ -95,7 +95,7 @@ def log_sequence_numbers(store: Store) -> list[int]:
     return _numbered(store, LOG_DIR, _LOG_NAME)
 
 
-def _read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
+def read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
     """Read a metadata file, refusing one larger than ``limit`` before reading it (spec §6.4)."""
     size = store.size(path)
     if size > limit:
@@ -109,7 +109,7 @@ def _read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
 # -- root ----------------------------------------------------------------------------------
 def read_root(store: Store, where: str) -> RootMetadata:
     try:
-        data = _read_bounded(store, ROOT_FILE, MAX_ROOT_BYTES, f"{where}/{ROOT_FILE}")
+        data = read_bounded(store, ROOT_FILE, MAX_ROOT_BYTES, f"{where}/{ROOT_FILE}")
     except FileNotFoundError:
         raise NotAChainError(f"{where}: not an ldformat chain (no {ROOT_FILE}); check the path") from None
     except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
@@ -126,10 +126,10 @@ def create_root(store: Store, root: RootMetadata, where: str) -> None:
 
         raise ChainExistsError(f"{where}: another process created a chain here concurrently") from None
     except OSError as e:
-        raise _io_error(f"{where}/{ROOT_FILE}: cannot create the chain", e) from None
+        raise io_error(f"{where}/{ROOT_FILE}: cannot create the chain", e) from None
 
 
-def _io_error(what: str, e: OSError) -> WriterIOError:
+def io_error(what: str, e: OSError) -> WriterIOError:
     err = WriterIOError(f"{what}: {e.strerror or e} (errno {e.errno})")
     err.errno = e.errno
     return err
@@ -195,7 +195,7 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
 def read_record(store: Store, seq: int, where: str) -> Record:
     path = log_path(seq)
     try:
-        data = _read_bounded(store, path, MAX_RECORD_BYTES, f"{where}/{path}")
+        data = read_bounded(store, path, MAX_RECORD_BYTES, f"{where}/{path}")
     except FileNotFoundError:
         raise MissingLogRecord(f"{where}/{path}: commit record vanished while reading") from None
     return Record.from_bytes(data, f"{where}/{path}")
@@ -349,7 +349,7 @@ class WriterLock:
                     ) from None
                 continue  # another process took this generation: look at who holds it now
             except OSError as e:
-                raise _io_error(f"{where}/{lock_path(generation)}: cannot take the writer lock", e) from None
+                raise io_error(f"{where}/{lock_path(generation)}: cannot take the writer lock", e) from None
             took_over = current is not None and current.state == "held"
             return cls(store, where, owner, current, took_over)
 
@@ -364,7 +364,7 @@ class WriterLock:
         self.check()
         nxt = LockOwner(self.generation + 1, "held", self.owner.host, self.owner.pid, self.owner.start_time,
                         self.owner.token, self.owner.lease_s)
-        _create_or_lose(self.store, lock_path(nxt.generation), _lock_bytes(nxt), self.where,
+        create_or_lose(self.store, lock_path(nxt.generation), _lock_bytes(nxt), self.where,
                         "another process took over this writer's lock while renewing its lease",
                         "cannot renew the writer lock")
         previous, self.owner, self._renewed = self.owner.generation, nxt, time.monotonic()
@@ -380,7 +380,7 @@ class WriterLock:
         try:
             newer = self.store.exists(lock_path(self.generation + 1))
         except OSError as e:
-            raise _io_error(f"{self.where}/{lock_path(self.generation + 1)}: cannot check the writer lock", e) from None
+            raise io_error(f"{self.where}/{lock_path(self.generation + 1)}: cannot check the writer lock", e) from None
         if newer:
             raise LockLostError(
                 f"{self.where}: another process took over this writer's lock (generation "
@@ -406,13 +406,13 @@ def _read_lock(store: Store, generation: int, where: str) -> LockOwner:
     """Generation ``generation`` of the lock; an unparseable one is held by nobody alive (§15.2)."""
     path = lock_path(generation)
     try:
-        data = _read_bounded(store, path, MAX_LOCK_BYTES, f"{where}/{path}")
+        data = read_bounded(store, path, MAX_LOCK_BYTES, f"{where}/{path}")
     except FormatError:
         data = b""
     except FileNotFoundError:
         raise
     except OSError as e:
-        raise _io_error(f"{where}/{path}: cannot read the writer lock", e) from None
+        raise io_error(f"{where}/{path}: cannot read the writer lock", e) from None
     owner = LockOwner.parse(data, generation, f"{where}/{path}")
     return owner if owner is not None else LockOwner(generation, "held", None, None, None, "")
 
@@ -440,13 +440,13 @@ def _live(owner: LockOwner) -> bool:
 def _refuse_live_legacy_lock(store: Store, where: str, break_lock: bool) -> None:
     """A format 1.0 writer locks with ``writer.lock``; refuse while one of those runs."""
     try:
-        data = _read_bounded(store, LEGACY_LOCK_FILE, MAX_LOCK_BYTES, f"{where}/{LEGACY_LOCK_FILE}")
+        data = read_bounded(store, LEGACY_LOCK_FILE, MAX_LOCK_BYTES, f"{where}/{LEGACY_LOCK_FILE}")
     except FormatError:
         return
     except (FileNotFoundError, IsADirectoryError):
         return
     except OSError as e:
-        raise _io_error(f"{where}/{LEGACY_LOCK_FILE}: cannot read the writer lock", e) from None
+        raise io_error(f"{where}/{LEGACY_LOCK_FILE}: cannot read the writer lock", e) from None
     try:
         d = parse_json(data, f"{where}/{LEGACY_LOCK_FILE}", max_bytes=MAX_LOCK_BYTES)
     except FormatError:
@@ -513,14 +513,14 @@ def commit_record(
             f"{where}/{path}: the record would be {len(data)} bytes, more than the {MAX_RECORD_BYTES} readers "
             "accept (spec §6.4); commit fewer steps per record, or compact with keep_last to shorten the chain"
         )
-    _create_or_lose(store, path, data, where, "another writer committed this record",
+    create_or_lose(store, path, data, where, "another writer committed this record",
                     "cannot create the commit record; the chain is unchanged")
     record = Record.from_bytes(data, f"{where}/{path}")  # carries the checksum
     state.apply(record)
     return record
 
 
-def _create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str, failed: str) -> None:
+def create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str, failed: str) -> None:
     """Create ``path`` exclusively; an existing one means this writer lost the chain (spec §7.4 step 5)."""
     try:
         store.create_exclusive(path, data)
@@ -529,7 +529,7 @@ def _create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str,
             f"{where}/{path}: {lost}; this writer stops and deletes nothing (re-open the chain to continue)"
         ) from None
     except OSError as e:
-        raise _io_error(f"{where}/{path}: {failed}", e) from None
+        raise io_error(f"{where}/{path}: {failed}", e) from None
 
 
 def fence(store: Store, where: str, state: ChainState, lock: WriterLock) -> None:
@@ -595,5 +595,5 @@ def collect_garbage(store: Store, state: ChainState, lock: WriterLock, where: st
         try:
             store.delete(p)
         except OSError as e:
-            raise _io_error(f"{where}/{p}: cannot remove garbage", e) from None
+            raise io_error(f"{where}/{p}: cannot remove garbage", e) from None
     return paths

@@ -11,7 +11,6 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -34,28 +33,51 @@ from .jsonvalue import object_checksum
 from .log import read_log, read_root
 from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from .replay import Replayer
-from .stores import LocalStore, Store
+from .stores import LocalStore, Store, parse_location
+from .stores import open_store as _open_location
 
 T = TypeVar("T")
 
 
-def open_store(path: str | os.PathLike[str], store: Store | None) -> Store:
+def open_store(path: str | os.PathLike[str], store: Store | None,
+               storage_options: dict[str, Any] | None = None) -> Store:
+    """``store`` if given, else the store of the chain at ``path`` (a directory or a URL).
+
+    A local directory must exist; an object store or ``memory://`` URL is opened without a
+    request (see :func:`ldformat.stores.open_store`).
+
+    Raises:
+        NotAChainError: ``path`` is a local path that is missing or not a directory.
+        UsageError: an unsupported URL scheme, or ``storage_options`` for a local path.
+    """
     if store is not None:
         return store
-    p = Path(path)
+    loc = parse_location(path)
+    if loc.path is None or storage_options:  # a URL (storage_options are refused for a directory)
+        return _open_location(path, storage_options=storage_options)
+    p = loc.path
     if not p.exists():
-        raise NotAChainError(f"{p}: no such directory")
+        raise NotAChainError(f"{loc.name}: no such directory")
     if not p.is_dir():
-        raise NotAChainError(f"{p}: not a directory, so not an ldformat chain")
+        raise NotAChainError(f"{loc.name}: not a directory, so not an ldformat chain")
     return LocalStore(p)
+
+
+def chain_name(path: str | os.PathLike[str], store: Store | None) -> str:
+    """How messages name the chain: ``path`` as given (a label when ``store`` is given), a URL
+    without its trailing ``/``."""
+    return str(path) if store is not None else parse_location(path).name
 
 
 class ChainReader:
     """Read-only access to a chain; safe alongside a writer and a compaction.
 
     Args:
-        path: the chain directory.
-        store: an explicit :class:`~ldformat.stores.Store` (defaults to a local directory).
+        path: the chain: a directory, or a URL (``s3://bucket/prefix``, ``gs://``, ``az://``,
+            ``memory://name``, ...; see :func:`ldformat.stores.open_store`).
+        store: an explicit :class:`~ldformat.stores.Store` (``path`` then only names the chain).
+        storage_options: settings of an object store, overriding its environment variables
+            (see :class:`~ldformat.stores.ObjectStore`).
 
     Example:
         >>> reader = ChainReader("runs/chain")                     # doctest: +SKIP
@@ -63,9 +85,10 @@ class ChainReader:
         >>> model.load_state_dict(state["model"])                   # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None) -> None:
-        self.path = str(path)
-        self.store = open_store(path, store)
+    def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.path = chain_name(path, store)
+        self.store = open_store(path, store, storage_options)
         self.root: RootMetadata = read_root(self.store, self.path)
         self._warned_env = False
         self.refresh()

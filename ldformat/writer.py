@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import numpy as np
 import torch
@@ -65,6 +65,7 @@ from .manifest import (
     SlotInfo,
     StepEntry,
 )
+from .reader import ChainReader, chain_name, open_store
 from .state import (
     check_schema_matches,
     encode_param_groups,
@@ -76,7 +77,9 @@ from .state import (
     optimizer_params,
     resolve_implementation,
 )
-from .stores import LocalStore, Store
+from .stores import LocalStore, Store, parse_location
+from .stores import open_store as open_location
+from .stores.local import make_directory
 from .topk import TopK
 
 
@@ -155,11 +158,14 @@ class ChainWriter:
         extra: dict[str, Any] | None = None,
         store: Store | None = None,
         capture_hook: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> ChainWriter:
         """Create a chain and write the anchor of the current state as step ``step``.
 
         Args:
-            path: a new or empty directory.
+            path: a new or empty directory, or the URL of an empty prefix
+                (``s3://bucket/prefix``, ``memory://name``, ...; see
+                :func:`ldformat.stores.open_store`).
             model, optimizer: the live training objects (the optimizer's parameters must
                 belong to the model).
             kind: ``"grad.topk"`` (needs ``compressor``), ``"grad.dense"`` or ``"state.xor"``.
@@ -167,6 +173,8 @@ class ChainWriter:
             anchor_every: write an anchor every this many steps (``None``: only when asked).
             step: the step number of the current state (0 before training).
             extra: JSON-able extra state of the first anchor.
+            store: an explicit store (``path`` then only names the chain).
+            storage_options: object store settings overriding the environment variables.
 
         Raises:
             ChainExistsError: ``path`` already holds a chain.
@@ -189,16 +197,20 @@ class ChainWriter:
             schema=schema,
             environment=environment,
         )
-        where = str(path)
+        where = chain_name(path, store)
         owned_dir: Path | None = None
         if store is None:
-            p = Path(path)
-            if p.exists() and not p.is_dir():
-                raise UsageError(f"{where}: exists and is not a directory")
-            owned_dir = None if p.exists() else p
-            p.mkdir(parents=True, exist_ok=True)
-            _fsync_dir(p.resolve().parent)  # the chain directory's own entry must be durable
-            store = LocalStore(p)
+            location = parse_location(path)
+            if location.path is None or storage_options:
+                # An object store or memory:// URL (storage_options are refused for a directory).
+                store = open_location(path, storage_options=storage_options)
+            else:
+                p = location.path
+                if p.exists() and not p.is_dir():
+                    raise UsageError(f"{where}: exists and is not a directory")
+                owned_dir = None if p.exists() else p
+                make_directory(p)
+                store = LocalStore(p)
         if store.exists(ROOT_FILE):
             raise ChainExistsError(f"{where}: already holds a chain; use ChainWriter.open to append")
         _check_empty_or_unfinished(store, where)
@@ -248,6 +260,7 @@ class ChainWriter:
         break_lock: bool = False,
         lock_wait: float = 0.0,
         capture_hook: bool = True,
+        storage_options: dict[str, Any] | None = None,
     ) -> ChainWriter:
         """Re-open a chain to append after its latest committed step.
 
@@ -255,10 +268,8 @@ class ChainWriter:
         :meth:`ChainReader.load_into`). A dead writer's lock is taken over and its
         uncommitted leftovers are removed.
         """
-        from .reader import ChainReader, open_store
-
-        where = str(path)
-        store = open_store(path, store)
+        where = chain_name(path, store)
+        store = open_store(path, store, storage_options)
         root = read_root(store, where)
         if _minor(root.format_version) > _minor(FORMAT_VERSION):
             raise UnsupportedVersionError(
@@ -664,14 +675,27 @@ def _unfinished_creation_leftovers(store: Store) -> list[str] | None:
 
 def _check_empty_or_unfinished(store: Store, where: str) -> None:
     if _unfinished_creation_leftovers(store) is None:
-        raise UsageError(f"{where}: directory is not empty; create a chain in a new or empty directory")
+        _refuse_not_empty(store, where)
+
+
+def _refuse_not_empty(store: Store, where: str) -> NoReturn:
+    """Raise for a location that holds more than an unfinished creation.
+
+    Listed first, the root checked after: a creator that won a concurrent race creates the
+    root before anything else a listing could show, so a loser sees it here and is told
+    that a chain exists, not that the location is not empty.
+    """
+    if store.exists(ROOT_FILE):
+        raise ChainExistsError(f"{where}: another process created a chain here concurrently; use "
+                               "ChainWriter.open to append")
+    raise UsageError(f"{where}: directory (or prefix) is not empty; create a chain in a new or empty one")
 
 
 def _remove_unfinished_creation(store: Store, where: str, lock: WriterLock) -> None:
     """Holding the lock, remove what a crashed creation left (re-checked under the lock)."""
     leftovers = _unfinished_creation_leftovers(store)
     if leftovers is None or store.exists(ROOT_FILE):
-        raise UsageError(f"{where}: directory is not empty; create a chain in a new or empty directory")
+        _refuse_not_empty(store, where)
     lock.check()
     for p in leftovers + [p for p in store.list("") if p.startswith(".tmp-")]:
         store.delete(p)
@@ -695,19 +719,6 @@ def _remove_creation(store: Store, owned_dir: Path | None, *, everything: bool =
 
 def _minor(version: str) -> int:
     return int(version.split(".")[1])
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems refuse fsync on directories; the data files are still synced
-    finally:
-        os.close(fd)
 
 
 def build_schema(

@@ -287,6 +287,11 @@ CHAIN = click.argument("chain", type=click.Path(path_type=str))
 def cli(debug: bool) -> None:
     """Inspect, materialize, validate and compact ldformat checkpoint chains.
 
+    CHAIN is a directory or a URL: s3://bucket/prefix, gs://bucket/prefix,
+    az://account/container/prefix, http(s)://host/prefix (pip install 'ldformat[s3]'),
+    configured by each cloud's environment variables (AWS_ENDPOINT_URL, AWS_REGION,
+    AWS_ACCESS_KEY_ID, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_NAME, ...).
+
     An error is one line on stderr. Exit codes (spec section 18.1):
 
     \b
@@ -352,7 +357,8 @@ def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
     extra = entry[1].extra if entry is not None else reader.state.anchors[latest].extra
     from ldformat.jsonvalue import decode
 
-    policy = decode(extra).get("policy") if isinstance(extra, dict) else None
+    decoded = decode(extra)
+    policy = decoded.get("policy") if isinstance(decoded, dict) else None
     return policy if isinstance(policy, dict) else None
 
 
@@ -675,6 +681,38 @@ def truncate(chain: str, after: int, yes: bool) -> None:
     with _about_step(after, "truncating after"):
         removed = ldformat.truncate(chain, after)
     _echo(f"removed {len(removed)} steps; the chain now ends at step {after}")
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("dst", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@errors_to_exit_codes
+def sync(src: str, dst: str, as_json: bool) -> None:
+    """Replicate the chain SRC to DST, copying only what DST lacks (spec section 17.5).
+
+    SRC is only read (a writer may append to it, a compaction rewrite it, meanwhile); DST is
+    locked while it is written and is a valid chain at every moment. An interrupted sync
+    continues where it stopped when run again. A DST that is not a replica of SRC is refused
+    (exit 1): delete it, or sync to a new location.
+
+    Example: ldtools sync runs/chain /mnt/backup/chain
+    """
+    progress = _Progress("syncing")
+    try:
+        report = ldformat.sync(src, dst, progress=progress)
+    finally:
+        progress.close()
+    if as_json:
+        _echo(json.dumps(report.to_dict(), indent=2))
+        return
+    lag = "up to date" if report.up_to_date else (
+        f"{report.src_last_seq - report.dst_last_seq} records ({report.lag_steps} steps) behind")
+    deferred = "; garbage kept until a record is copied (the lock was taken over)" if report.garbage_deferred else ""
+    _echo(f"synced {report.records_copied} records, {report.objects_copied} objects ({_human(report.bytes_copied)}) "
+          f"copied, {report.objects_skipped} already there, {report.garbage_removed} removed; {report.dst} at step "
+          f"{report.dst_latest_step}, {lag} ({report.src} at step {report.src_latest_step}); "
+          f"{report.seconds:.1f} s{deferred}")
 
 
 def main() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import os
 import secrets
 import shutil
 import socket
@@ -138,6 +137,8 @@ class Request:
     method: str
     target: str
     action: Action
+    range: str | None = None  # the Range header, if any
+    at: float = 0.0  # when the request arrived (time.monotonic())
 
 
 @dataclass
@@ -151,6 +152,9 @@ class FaultProxy:
     upstream_port: int
     plan: Callable[[str, str, int], Action] = lambda method, target, n: "forward"
     seen: list[Request] = field(default_factory=list)
+    #: Bytes per second each connection may send to the client (None: no limit), as a cloud
+    #: store limits each connection: what concurrent ranged GETs are for.
+    bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -169,15 +173,15 @@ class FaultProxy:
         """Inject ``action`` into the first ``n`` requests (of ``methods``, if given)."""
         count = [0]
 
-        def plan(method: str, target: str, _: int) -> Action:
+        def plan(method: str, target: str, _: int) -> Action:  # called holding self._lock
             if methods is not None and method not in methods:
                 return "forward"
-            with self._lock:
-                count[0] += 1
-                return action if count[0] <= n else "forward"
+            count[0] += 1
+            return action if count[0] <= n else "forward"
 
-        self.plan = plan
-        self.seen.clear()
+        with self._lock:
+            self.plan = plan
+            self.seen.clear()
 
     def faults(self) -> int:
         return sum(r.action != "forward" for r in self.seen)
@@ -212,7 +216,8 @@ class FaultProxy:
                 with self._lock:
                     n = len(self.seen)
                     action = self.plan(method, target, n)
-                    self.seen.append(Request(method, target, action))
+                    ranged = next((v for k, v in headers if k.lower() == "range"), None)
+                    self.seen.append(Request(method, target, action, ranged, time.monotonic()))
                 if action == "reset":
                     _reset(conn)
                     return
@@ -223,13 +228,24 @@ class FaultProxy:
                 if action == "reset-after":
                     _reset(conn)
                     return
-                conn.sendall(response)
+                self._send(conn, response)
         except OSError:
             return
         finally:
             with contextlib.suppress(OSError):
                 reader.close()
                 conn.close()
+
+    def _send(self, conn: socket.socket, data: bytes) -> None:
+        if self.bandwidth is None:
+            conn.sendall(data)
+            return
+        started, view, piece = time.monotonic(), memoryview(data), 256 * 1024
+        for sent in range(0, len(view), piece):
+            conn.sendall(view[sent:sent + piece])
+            ahead = (sent + piece) / self.bandwidth - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
 
     def _forward(self, method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
         upstream = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
@@ -329,14 +345,17 @@ def moto() -> Iterator[MotoServer]:
         server.stop()
 
 
-@pytest.fixture
-def s3_env(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> MotoServer:
-    """The AWS environment variables point at the moto server for this test."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    for name, value in moto.env().items():
-        monkeypatch.setenv(name, value)
-    return moto
+@pytest.fixture(scope="module")
+def s3_env(moto: MotoServer) -> Iterator[MotoServer]:
+    """The AWS environment variables point at the moto server for the tests of a module
+    (subprocesses inherit them)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_CONFIG_FILE",
+                     "AWS_SHARED_CREDENTIALS_FILE"):
+            mp.delenv(name, raising=False)
+        for name, value in moto.env().items():
+            mp.setenv(name, value)
+        yield moto
 
 
 @pytest.fixture
@@ -346,10 +365,10 @@ def s3_url(s3_env: MotoServer) -> str:
 
 
 @pytest.fixture
-def fault_proxy(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+def fault_proxy(s3_env: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
     """A :class:`FaultProxy` in front of the moto server, with the environment pointing at it."""
-    proxy = FaultProxy(moto.port)
-    for name, value in moto.env(proxy.url).items():
+    proxy = FaultProxy(s3_env.port)
+    for name, value in s3_env.env(proxy.url).items():
         monkeypatch.setenv(name, value)
     try:
         yield proxy
@@ -359,13 +378,3 @@ def fault_proxy(moto: MotoServer, monkeypatch: pytest.MonkeyPatch) -> Iterator[F
 
 __all__ = ["BUCKET", "FaultProxy", "MotoServer", "Request", "fault_proxy", "free_port", "moto", "needs_s3",
            "s3_env", "s3_url"]
-
-if __name__ == "__main__":  # pragma: no cover - a manual check: start a server and wait
-    srv = MotoServer()
-    srv.create_bucket(BUCKET)
-    print(srv.url, flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            time.sleep(1)
-    srv.stop()
-    os._exit(0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,7 +19,8 @@ from ..errors import StepNotFoundError, UsageError
 from ..log import ROOT_FILE
 from ..manifest import Kind
 from ..reader import ChainReader
-from ..stores import Store
+from ..stores import Store, location_name, parse_location
+from ..stores import open_store as open_location
 from ..topk import TopK
 from ..writer import ChainWriter
 from .extra import Stateful
@@ -28,8 +29,22 @@ from .rng import restore_rng
 log = logging.getLogger("ldformat.capture")
 
 
+def _chain_store(path: str | os.PathLike[str], store: Store | None,
+                 storage_options: dict[str, Any] | None) -> tuple[str, Store | None]:
+    """The chain's name, and ``store`` or the store of a URL, opened once for every step of
+    a resume; None for a local directory (which ChainWriter.create makes if needed)."""
+    if store is not None:
+        return str(path), store
+    if parse_location(path).is_local and not storage_options:
+        return str(path), None
+    return location_name(path), open_location(path, storage_options=storage_options)  # refuses options locally
+
+
 def _holds_chain(path: str | os.PathLike[str], store: Store | None) -> bool:
-    return store.exists(ROOT_FILE) if store is not None else (Path(path) / ROOT_FILE).exists()
+    if store is not None:
+        return store.exists(ROOT_FILE)
+    local = parse_location(path).path
+    return local is not None and (local / ROOT_FILE).exists()
 
 
 def _exact_step(reader: ChainReader) -> int:
@@ -57,6 +72,7 @@ def resume(
     step: int | None = None,
     rank: int = 0,
     store: Store | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
     """Restore the live training objects from a chain; returns the restored step.
 
@@ -72,10 +88,13 @@ def resume(
             which changes the following compressed gradients (spec §14.2).
         step: an explicit step to resume from.
         rank: whose top-k residuals ``compressor`` receives (data-parallel ``lowdiff``).
+        store, storage_options: an explicit store, or settings of the object store at the
+            URL ``path`` (see :func:`ldformat.stores.open_store`).
 
     Pass the returned step to ``Checkpointer(..., step=step)`` so that steps after it are
     truncated and re-recorded by the resumed run.
     """
+    path, store = _chain_store(path, store, storage_options)
     if not _holds_chain(path, store):
         return 0
     reader = ChainReader(path, store=store)
@@ -115,6 +134,7 @@ def open_writer(
     batch_steps: int,
     store: Store | None,
     first_extra: Callable[[], dict[str, object]],
+    storage_options: dict[str, Any] | None = None,
 ) -> ChainWriter:
     """The writer a :class:`~ldformat.Checkpointer` appends with (capture hook off).
 
@@ -124,6 +144,7 @@ def open_writer(
     residuals of ``step``'s anchor, or restarts from zero (with a warning) when the step
     holds none.
     """
+    path, store = _chain_store(path, store, storage_options)
     if not _holds_chain(path, store):
         return ChainWriter.create(path, model, optimizer, kind=kind, step=step or 0, extra=first_extra(),
                                   compressor=compressor, batch_steps=batch_steps, store=store, capture_hook=False)

@@ -84,7 +84,9 @@ class Checkpointer:
     """Checkpoint every optimizer step into an ldformat chain, off the training thread.
 
     Args:
-        path: the chain directory (created, or re-opened to append).
+        path: the chain directory (created, or re-opened to append), or a URL
+            (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://name``, ...; see
+            :func:`ldformat.stores.open_store`).
         model, optimizer: the live training objects.
         mode: ``"lowdiff"`` (top-k compressed gradients, kind ``grad.topk``), ``"lowdiff+"``
             (dense gradients staged during backward plus a CPU replica, ``grad.dense``) or
@@ -112,6 +114,8 @@ class Checkpointer:
             latest step). Steps after it are truncated, since training will redo them.
         extra: the user's own JSON-able dict, recorded as ``extra.user`` with every step.
         store: a :class:`Store` to write to instead of the directory ``path``.
+        storage_options: settings of the object store at the URL ``path``, overriding its
+            environment variables (see :class:`~ldformat.stores.ObjectStore`).
         process_group: for data-parallel ``lowdiff`` (docs/capture-runtime.md
             "Data-parallel `lowdiff`"): the Checkpointer runs on rank 0, a
             :class:`ResidualPeer` on every other rank.
@@ -147,6 +151,7 @@ class Checkpointer:
         extra: dict[str, object] | None = None,
         store: Store | None = None,
         process_group: dist.ProcessGroup | None = None,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -189,7 +194,8 @@ class Checkpointer:
         started = time.perf_counter()
         self.writer = open_writer(self.path, model, optimizer, kind=self.kind, mode=mode, step=step,
                                   compressor=self.compressor, batch_steps=self.batch_steps, store=store,
-                                  first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()))
+                                  first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
+                                  storage_options=storage_options)
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started

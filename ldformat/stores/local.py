@@ -291,3 +291,17 @@ class LocalStore(Store):
 
     def local_path(self, path: str) -> Path | None:
         return self._abs(path)
+
+
+def make_directory(path: Path) -> None:
+    """Create a chain directory (and its parents) so that its own entry is durable too."""
+    path.mkdir(parents=True, exist_ok=True)
+    fd = None
+    try:
+        fd = os.open(path.resolve().parent, os.O_RDONLY)
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on directories; the chain's files are still synced
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from ..errors import UsageError
 from .base import Part, Store, byte_view, check_relative_path
 
 
@@ -26,6 +27,11 @@ class _Volume:
         self.lock = threading.Lock()
         self.objects: dict[str, bytes] = {}
         self.unsynced: set[str] = set()
+
+
+#: The stores of ``memory://<name>`` URLs, by name (see :meth:`MemoryStore.named`).
+_NAMED: dict[str, _Volume] = {}
+_NAMED_LOCK = threading.Lock()
 
 
 def _missing(path: str) -> FileNotFoundError:
@@ -58,11 +64,39 @@ class MemoryStore(Store):
 
     def __init__(self) -> None:
         self._volume = _Volume()
+        self.name: str | None = None  #: the registry name of a ``memory://name`` store
+
+    @classmethod
+    def named(cls, name: str) -> MemoryStore:
+        """A handle on the process-wide store ``memory://<name>``, made empty on first use.
+
+        Every call with the same ``name`` shares the same objects, so that two opens of the
+        URL ``memory://run`` (a writer and a reader, say) see the same chain. The objects
+        live until :meth:`forget` or the end of the process.
+        """
+        if not name:
+            raise UsageError("memory:// needs a name, e.g. memory://run1")
+        with _NAMED_LOCK:
+            volume = _NAMED.setdefault(name, _Volume())
+        store = cls.__new__(cls)
+        store._volume = volume
+        store.name = name
+        return store
+
+    @staticmethod
+    def forget(name: str) -> None:
+        """Drop the objects of ``memory://<name>`` (handles already open keep them)."""
+        with _NAMED_LOCK:
+            _NAMED.pop(name, None)
+
+    def __repr__(self) -> str:
+        return f"MemoryStore(name={self.name!r})" if self.name is not None else "MemoryStore()"
 
     def reopen(self) -> MemoryStore:
         """Another handle on the same objects (what another process would open)."""
         other = MemoryStore.__new__(MemoryStore)
         other._volume = self._volume
+        other.name = self.name
         return other
 
     def crash(self) -> None:

@@ -1,0 +1,648 @@
+"""Replication of a chain to another location (spec §17.5 "Replication").
+
+:func:`sync` copies the chain at ``src`` to ``dst`` incrementally and resumably, so that a run
+can checkpoint to a fast local disk and replicate in the background to slower or remote
+storage. ``dst`` becomes a *replica*: a chain of its own, with the same root and the same
+commit records, byte for byte, that any reader opens like ``src``.
+
+The order of every copy is the commit protocol's (spec §7.4): the objects a record references
+are read from ``src`` and verified (size and object checksum, spec §7.6), written to ``dst``
+and made durable; then the record is created exclusively on ``dst`` with ``src``'s exact
+bytes; the root is created right after ``dst``'s first record. ``dst`` is therefore a valid
+chain at every moment (valid at its last record), or, before its first record and root
+exist, an unfinished replica creation that the next run continues. ``src`` is only read,
+never locked: a writer may append to it, and a compaction or truncation may rewrite it,
+while it is copied.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import (
+    ChainError,
+    ChainExistsError,
+    CorruptChainError,
+    LdformatError,
+    LockLostError,
+    MissingObjectError,
+    UsageError,
+)
+from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum
+from .log import (
+    LOCK_DIR,
+    LOG_DIR,
+    ROOT_FILE,
+    MissingLogRecord,
+    WriterLock,
+    collect_garbage,
+    create_or_lose,
+    current_lock,
+    io_error,
+    log_path,
+    log_sequence_numbers,
+    read_bounded,
+    read_log,
+)
+from .manifest import ChainState, ObjectRef, Record, RootMetadata
+from .reader import ChainReader
+from .stores import FaultyStore, LocalStore, MemoryStore, ObjectStore, Store, open_store, parse_location
+from .stores.local import make_directory
+
+__all__ = ["ReplicaDivergedError", "SyncReport", "sync"]
+
+#: How often the source's log is folded again when a record or object of the version being
+#: copied vanishes (a concurrent compaction or truncation, spec §17.4) before giving up.
+SOURCE_ATTEMPTS = 5
+
+#: Objects copied at the same time (each is held in memory while it is copied).
+WORKERS = 4
+
+Progress = Callable[[str, int, int], None]
+
+
+class ReplicaDivergedError(ChainError):
+    """The destination holds another chain, or a log that is not a copy of the source's."""
+
+
+@dataclass
+class SyncReport:
+    """What :func:`sync` did, and how far the replica lags behind its source.
+
+    Attributes:
+        src, dst: the two locations, as messages name them.
+        records_copied: commit records created on ``dst``.
+        objects_copied: data objects read from ``src`` and written to ``dst``.
+        objects_skipped: objects the copied records reference that ``dst`` already held
+            (committed there, or left by an interrupted run and verified).
+        bytes_copied: bytes of the copied objects.
+        garbage_removed: objects and superseded records removed from ``dst`` afterwards
+            (lock generations not counted).
+        seconds: wall time of the call.
+        created: ``dst`` became a chain in this call (its root was created).
+        jumped: ``dst`` skipped superseded records of ``src`` to a newer snapshot (spec §7.3).
+        source_refolds: times ``src`` was folded again because a record or object of the
+            version being copied vanished (a concurrent compaction or truncation).
+        src_last_seq, dst_last_seq: the newest record of each chain when the call returned
+            (``src`` re-read at the end: a writer may have committed meanwhile).
+        src_latest_step, dst_latest_step: their latest committed steps.
+        garbage_deferred: ``dst``'s lock was taken over from a holder that had not released
+            it and no record was copied, so nothing was deleted and the lock was left held
+            for the next run to take over (spec §17.5).
+    """
+
+    src: str
+    dst: str
+    records_copied: int = 0
+    objects_copied: int = 0
+    objects_skipped: int = 0
+    bytes_copied: int = 0
+    garbage_removed: int = 0
+    seconds: float = 0.0
+    created: bool = False
+    jumped: bool = False
+    source_refolds: int = 0
+    src_last_seq: int = 0
+    dst_last_seq: int = 0
+    src_latest_step: int | None = None
+    dst_latest_step: int | None = None
+    garbage_deferred: bool = False
+
+    @property
+    def up_to_date(self) -> bool:
+        """``dst`` holds every record of ``src`` (as ``src`` was at the end of the call)."""
+        return self.dst_last_seq == self.src_last_seq
+
+    @property
+    def lag_steps(self) -> int | None:
+        """``src``'s latest step minus ``dst``'s (None when either has no step)."""
+        if self.src_latest_step is None or self.dst_latest_step is None:
+            return None
+        return self.src_latest_step - self.dst_latest_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "src": self.src,
+            "dst": self.dst,
+            "records_copied": self.records_copied,
+            "objects_copied": self.objects_copied,
+            "objects_skipped": self.objects_skipped,
+            "bytes_copied": self.bytes_copied,
+            "garbage_removed": self.garbage_removed,
+            "seconds": round(self.seconds, 3),
+            "created": self.created,
+            "jumped": self.jumped,
+            "source_refolds": self.source_refolds,
+            "src_last_seq": self.src_last_seq,
+            "dst_last_seq": self.dst_last_seq,
+            "src_latest_step": self.src_latest_step,
+            "dst_latest_step": self.dst_latest_step,
+            "lag_steps": self.lag_steps,
+            "up_to_date": self.up_to_date,
+            "garbage_deferred": self.garbage_deferred,
+        }
+
+
+def sync(
+    src: str | os.PathLike[str] | Store,
+    dst: str | os.PathLike[str] | Store,
+    *,
+    progress: Progress | None = None,
+    workers: int = WORKERS,
+    break_lock: bool = False,
+    lock_wait: float = 0.0,
+    src_options: dict[str, Any] | None = None,
+    dst_options: dict[str, Any] | None = None,
+) -> SyncReport:
+    """Copy the chain at ``src`` to ``dst``, continuing where the last call stopped.
+
+    Args:
+        src: the chain to copy: a location (a local directory, ``file://``, ``memory://``,
+            ``s3://``, ...; see :func:`ldformat.stores.open_store`) or a
+            :class:`~ldformat.stores.Store`. It is only read, never locked.
+        dst: the replica: a new or empty location, one an interrupted call left, or a
+            replica of ``src`` made by an earlier call.
+        progress: called as ``progress("bytes", done, total)`` while objects are copied.
+        workers: objects copied at the same time.
+        break_lock: take ``dst``'s writer lock even from a live holder (only when that
+            holder is known to be gone).
+        lock_wait: seconds to wait for a holder of ``dst``'s lock on another host whose
+            lease runs out (spec §15.6).
+        src_options, dst_options: ``storage_options`` of object store locations.
+
+    Returns:
+        A :class:`SyncReport`.
+
+    Raises:
+        NotAChainError: ``src`` holds no chain.
+        UsageError: ``dst`` holds something that is neither a chain nor an interrupted
+            replica creation; a malformed location.
+        ReplicaDivergedError: ``dst`` holds another chain (a different ``chain_id``), or a
+            record that differs from ``src``'s record of the same number, or more records
+            than ``src``. Nothing is changed: delete ``dst`` and sync again, or sync to a
+            new location.
+        ChainLockedError: another process holds ``dst``'s writer lock
+            (:class:`~ldformat.errors.LockLostError`: it took the lock over meanwhile).
+        CorruptChainError: ``src`` is corrupt (an object fails its checksum; an object or
+            record stays missing after the log was folded again).
+        WriterIOError: writing ``dst`` failed; ``dst`` stays valid at its last record and
+            the next call continues.
+
+    Example:
+        >>> report = ldformat.sync("runs/chain", "s3://bucket/runs/chain")   # doctest: +SKIP
+        >>> report.records_copied, report.lag_steps                            # doctest: +SKIP
+        (3, 0)
+    """
+    if workers < 1:
+        raise UsageError(f"sync: workers must be >= 1, got {workers}")
+    started = time.monotonic()
+    src_store, src_name = _open(src, src_options, create=False)
+    reader = ChainReader(src_name, store=src_store)  # NotAChainError before dst is touched
+    root_bytes = read_bounded(src_store, ROOT_FILE, MAX_ROOT_BYTES, f"{src_name}/{ROOT_FILE}")
+    if RootMetadata.from_bytes(root_bytes, f"{src_name}/{ROOT_FILE}").chain_id != reader.root.chain_id:
+        raise CorruptChainError(f"{src_name}/{ROOT_FILE}: the root changed while it was read; sync again")
+    dst_store, dst_name = _open(dst, dst_options, create=True)
+    if _same_location(src_store, dst_store):
+        raise UsageError(f"{dst_name}: the destination is the source {src_name}; sync to another location")
+    report = SyncReport(src=src_name, dst=dst_name)
+    job = _Sync(reader, root_bytes, dst_store, dst_name, report, progress, workers)
+    if not dst_store.exists(ROOT_FILE):
+        job.check_unfinished_creation()  # refuse someone else's data before taking its lock
+    lock = _take_lock(dst_store, dst_name, break_lock, lock_wait)
+    job.lock = lock
+    try:
+        job.run()
+    finally:
+        if job.fenced:
+            lock.release()
+        else:
+            # Taken over from a holder that may still run, and not fenced: the lock stays held,
+            # so that whoever takes it next inherits the duty to fence (spec §17.5).
+            report.garbage_deferred = True
+            with _UNFENCED_LOCK:
+                _UNFENCED[lock.owner.token] = lock
+    report.seconds = time.monotonic() - started
+    return report
+
+
+#: Locks of replicas that this process took over and left held without fencing (spec §17.5),
+#: by token: the next :func:`sync` of the same replica in this process continues with it
+#: instead of finding it held by a live process (this one).
+_UNFENCED: dict[str, WriterLock] = {}
+_UNFENCED_LOCK = threading.Lock()
+
+
+def _take_lock(dst: Store, where: str, break_lock: bool, wait_s: float) -> WriterLock:
+    owner = current_lock(dst, where)
+    if owner is not None:
+        with _UNFENCED_LOCK:
+            mine = _UNFENCED.pop(owner.token, None)
+        if mine is not None and mine.generation == owner.generation:
+            try:
+                mine.check()
+                return mine
+            except LockLostError:
+                pass  # taken over meanwhile (a lease ran out): take it like anyone else
+    return WriterLock.acquire(dst, where, break_lock=break_lock, wait_s=wait_s)
+
+
+def _open(location: str | os.PathLike[str] | Store, options: dict[str, Any] | None,
+          create: bool) -> tuple[Store, str]:
+    if isinstance(location, Store):
+        if options:
+            raise UsageError("sync: storage options apply to a location, not to a Store object")
+        return location, _describe(location)
+    loc = parse_location(location)
+    store = open_store(location, storage_options=options)
+    if create and loc.path is not None:
+        p = loc.path
+        if p.exists() and not p.is_dir():
+            raise UsageError(f"{loc.name}: exists and is not a directory; sync to a directory")
+        if not p.exists():
+            make_directory(p)
+    return store, loc.name
+
+
+def _describe(store: Store) -> str:
+    if isinstance(store, FaultyStore):
+        return _describe(store.inner)
+    if isinstance(store, LocalStore):
+        return str(store.root)
+    if isinstance(store, MemoryStore) and store.name is not None:
+        return f"memory://{store.name}"
+    if isinstance(store, ObjectStore):
+        return store.url
+    return repr(store)
+
+
+def _same_location(a: Store, b: Store) -> bool:
+    while isinstance(a, FaultyStore):
+        a = a.inner
+    while isinstance(b, FaultyStore):
+        b = b.inner
+    if isinstance(a, LocalStore) and isinstance(b, LocalStore):
+        return a.root.resolve() == b.root.resolve()
+    if isinstance(a, MemoryStore) and isinstance(b, MemoryStore):
+        return a is b or (a.name is not None and a.name == b.name)
+    if isinstance(a, ObjectStore) and isinstance(b, ObjectStore):
+        return a.url == b.url
+    return a is b
+
+
+class _SourceMoved(Exception):
+    """A record or object of the source's folded version vanished: fold it again."""
+
+    def __init__(self, error: CorruptChainError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+Outcome = Literal["committed", "verified", "copied"]
+
+
+class _Sync:
+    """One call of :func:`sync`: the source's fold, the replica's fold and what was done."""
+
+    def __init__(self, reader: ChainReader, root_bytes: bytes, dst: Store, dst_name: str, report: SyncReport,
+                 progress: Progress | None, workers: int) -> None:
+        self.reader = reader
+        self.src_name = reader.path
+        self.root_bytes = root_bytes
+        self.dst = dst
+        self.dst_name = dst_name
+        self.report = report
+        self.progress = progress
+        self.workers = workers
+        self.lock: WriterLock | None = None
+        self.state = ChainState()  # the replica's fold, kept current as records are copied
+        self.has_root = False
+        #: Objects the replica's committed records reference (or referenced during this call:
+        #: nothing deletes them before the garbage collection at the end), with their
+        #: reference, so that they are neither read back nor overwritten.
+        self.committed: dict[str, ObjectRef] = {}
+        self.fenced = True
+        self.present: set[str] = set()  # objects under anchors/ and deltas/ when the copy started
+        self.done_bytes = 0
+        self.total_bytes = 0
+
+    # -- the replica's state -----------------------------------------------------------------
+    def check_unfinished_creation(self) -> None:
+        """Refuse a location without a root that holds more than an interrupted replica creation.
+
+        Such a creation (spec §17.5) holds at most one record, objects under ``anchors/`` and
+        ``deltas/``, the lock and temporary files; anything else may be someone's data.
+        """
+        paths = self._list("")
+        records = [p for p in paths if p.startswith(f"{LOG_DIR}/") and not p.split("/")[-1].startswith(".tmp-")]
+        other = [p for p in paths if not p.startswith((f"{LOG_DIR}/", f"{LOCK_DIR}/", "anchors/", "deltas/"))
+                 and not p.startswith(f".tmp-{ROOT_FILE}-")]
+        numbered = log_sequence_numbers(self.dst)
+        if other or len(records) != len(numbered) or len(numbered) > 1:
+            shown = (other or records)[0]
+            raise UsageError(
+                f"{self.dst_name}: holds no chain and is not empty ({shown}); sync into a new or empty "
+                f"location, or into a replica of {self.src_name}"
+            )
+
+    def _list(self, prefix: str) -> list[str]:
+        try:
+            return self.dst.list(prefix)
+        except OSError as e:
+            raise io_error(f"{self.dst_name}: cannot list the replica", e) from None
+
+    def open_replica(self) -> None:
+        """Read the replica's root and fold its log (as the lock holder)."""
+        assert self.lock is not None
+        self.fenced = not self.lock.took_over
+        self.has_root = self.dst.exists(ROOT_FILE)
+        if self.has_root:
+            where = f"{self.dst_name}/{ROOT_FILE}"
+            data = read_bounded(self.dst, ROOT_FILE, MAX_ROOT_BYTES, where)
+            root = RootMetadata.from_bytes(data, where)
+            if root.chain_id != self.reader.root.chain_id:
+                raise ReplicaDivergedError(
+                    f"{self.dst_name}: holds chain {root.chain_id}, not {self.src_name} (chain "
+                    f"{self.reader.root.chain_id}); nothing was changed. Sync to a new location, or delete "
+                    f"{self.dst_name} first"
+                )
+            if data != self.root_bytes:
+                raise ReplicaDivergedError(
+                    f"{where}: differs from {self.src_name}/{ROOT_FILE} although the chain id is the same: "
+                    f"{self.dst_name} is not a replica of {self.src_name}; nothing was changed. Delete it and "
+                    "sync again"
+                )
+            _, self.state = read_log(self.dst, self.dst_name)
+            self._index_all()
+            return
+        self.check_unfinished_creation()  # again, under the lock
+        seqs = log_sequence_numbers(self.dst)
+        if seqs:
+            self._resume_creation(seqs[0])
+
+    def _resume_creation(self, seq: int) -> None:
+        """The replica has no root and one record, left by an interrupted creation (spec §17.5)."""
+        mine = self._read_dst_record(seq)
+        theirs: bytes | None = None
+        for _ in range(SOURCE_ATTEMPTS):
+            if seq > self.reader.state.last_seq:
+                raise self._diverged(seq, f"{self.src_name} ends at record {self.reader.state.last_seq}")
+            try:
+                theirs = self._read_src_record(seq)
+                break
+            except _SourceMoved:
+                if seq < self.reader.records[0].seq:
+                    break  # superseded by the snapshot the source's fold starts at, and removed
+                self.reader.refresh()  # it was in the fold just read: the source moved on
+        if theirs is None:
+            if seq >= self.reader.records[0].seq:
+                raise CorruptChainError(f"{self.src_name}/{log_path(seq)}: keeps vanishing while it is read; "
+                                        "sync again")
+            # Unverifiable, but the snapshot the copy starts with supersedes it on the replica
+            # too. It is left in place: only a fenced lock holder deletes (spec §17.5).
+            self.state = ChainState(last_seq=seq, first_seq=seq)
+            return
+        if mine != theirs:
+            raise self._diverged(seq, "its bytes differ")
+        record = Record.from_bytes(mine, f"{self.dst_name}/{log_path(seq)}")
+        if record.type != "snapshot" and seq != 1:
+            raise UsageError(
+                f"{self.dst_name}: holds no chain and its only record, {log_path(seq)}, cannot start one; "
+                "delete it and sync again"
+            )
+        _, self.state = read_log(self.dst, self.dst_name)
+        self._index_all()
+        self._create_root()
+
+    def _index_all(self) -> None:
+        self.committed = {}
+        for a in self.state.anchors.values():
+            self.committed[a.object.path] = a.object
+        for d in self.state.delta_entries():
+            for o in d.objects:
+                self.committed[f"{d.path}/{o.path}"] = o
+
+    # -- the copy ----------------------------------------------------------------------------
+    def run(self) -> None:
+        self.open_replica()
+        for attempt in range(SOURCE_ATTEMPTS):
+            head = (self.reader.state.last_seq, self.reader.state.last_checksum)
+            try:
+                self._copy(self._plan())
+                break
+            except _SourceMoved as moved:
+                self.reader.refresh()
+                if (self.reader.state.last_seq, self.reader.state.last_checksum) == head:
+                    raise moved.error from None  # nothing moved: the source itself lacks it
+                if attempt == SOURCE_ATTEMPTS - 1:
+                    raise CorruptChainError(
+                        f"{moved.error}; {self.src_name} changed {SOURCE_ATTEMPTS} times while it was copied "
+                        "(compacted or truncated): sync again"
+                    ) from None
+                self.report.source_refolds += 1
+        if self.fenced:
+            assert self.lock is not None
+            _, folded = read_log(self.dst, self.dst_name)
+            removed = collect_garbage(self.dst, folded, self.lock, self.dst_name)
+            self.report.garbage_removed = sum(1 for p in removed if not p.startswith(f"{LOCK_DIR}/"))
+        try:
+            self.reader.refresh()  # how far the source is now, for the lag
+        except (LdformatError, OSError):
+            pass  # the copy is done; report the lag against the version copied
+        self.report.src_last_seq = self.reader.state.last_seq
+        self.report.src_latest_step = self.reader.state.latest_step
+        self.report.dst_last_seq = self.state.last_seq
+        self.report.dst_latest_step = self.state.latest_step
+
+    def _plan(self) -> list[Record]:
+        """The source's records the replica lacks, in order (spec §17.5)."""
+        records = self.reader.records
+        start, end = records[0].seq, records[-1].seq
+        last = self.state.last_seq
+        if last > end:
+            raise self._diverged(last, f"{self.src_name} ends at record {end}")
+        if last and self.has_root:
+            try:
+                theirs: bytes | None = self._read_src_record(last)
+            except _SourceMoved:
+                if last >= start:
+                    raise
+                theirs = None  # superseded on the source and removed: the snapshot decides
+            if theirs is not None and theirs != self._read_dst_record(last):
+                raise self._diverged(last, "its bytes differ")
+        todo = [r for r in records if r.seq > last]
+        if last and todo and todo[0].seq != last + 1:
+            self.report.jumped = True  # the source's fold starts at a snapshot after `last` (spec §7.3)
+        return todo
+
+    def _copy(self, records: list[Record]) -> None:
+        plans = [(r, self._objects(r)) for r in records]
+        seen: set[str] = set()
+        self.total_bytes = self.done_bytes
+        for _, objects in plans:
+            for path, ref, _prefix in objects:
+                if path not in seen:
+                    seen.add(path)
+                    self.total_bytes += ref.size
+        self._report_progress()
+        if not plans:
+            return
+        # One listing instead of a request per object to learn which ones are there already.
+        self.present = set(self._list("anchors")) | set(self._list("deltas"))
+        with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ldformat-sync") as pool:
+            try:
+                for record, objects in plans:
+                    self._copy_record(pool, record, objects)
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+
+    @staticmethod
+    def _objects(record: Record) -> list[tuple[str, ObjectRef, str]]:
+        """Every object ``record`` references: (chain-relative path, reference, group prefix)."""
+        out: dict[str, tuple[str, ObjectRef, str]] = {}
+        for a in record.anchors:
+            out.setdefault(a.object.path, (a.object.path, a.object, ""))
+        for d in record.deltas:
+            for o in d.objects:
+                path = f"{d.path}/{o.path}"
+                out.setdefault(path, (path, o, d.path))
+        return list(out.values())
+
+    def _copy_record(self, pool: ThreadPoolExecutor, record: Record, objects: list[tuple[str, ObjectRef, str]]
+                     ) -> None:
+        assert self.lock is not None
+        raw = self._read_src_record(record.seq)  # before the objects: it may have vanished
+        if Record.from_bytes(raw, f"{self.src_name}/{log_path(record.seq)}").checksum != record.checksum:
+            raise CorruptChainError(
+                f"{self.src_name}/{log_path(record.seq)}: changed while it was copied (records are never "
+                "rewritten); check the source"
+            )
+        if record.type != "snapshot" and (record.seq != self.state.last_seq + 1 or (
+                self.state.last_seq and record.prev != self.state.last_checksum)):
+            raise self._diverged(self.state.last_seq, f"{self.src_name}'s record {record.seq} does not follow it")
+        pending: set[Future[tuple[str, ObjectRef, Outcome]]] = {
+            pool.submit(self._put, path, ref, prefix) for path, ref, prefix in objects
+        }
+        to_sync: list[str] = []
+        while pending:
+            done, pending = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
+            self.lock.renew_if_due()  # a long copy must not let the lease run out (spec §15.6)
+            for future in done:
+                path, ref, outcome = future.result()
+                self.done_bytes += ref.size
+                if outcome == "copied":
+                    self.report.objects_copied += 1
+                    self.report.bytes_copied += ref.size
+                else:
+                    self.report.objects_skipped += 1
+                if outcome != "committed":
+                    to_sync.append(path)
+            self._report_progress()
+        try:
+            self.dst.sync(sorted(to_sync))
+        except OSError as e:
+            raise io_error(
+                f"{self.dst_name}: cannot make the objects of record {record.seq} durable (no record references "
+                "them yet; sync again)", e
+            ) from None
+        self.lock.renew_if_due()
+        self.lock.check()
+        create_or_lose(self.dst, log_path(record.seq), raw, self.dst_name,
+                        "another process created this record of the replica",
+                        f"cannot create the record; the replica is valid at record {self.state.last_seq} or at "
+                        f"this one, sync again")
+        self.fenced = True  # our first record is the fence of a takeover (spec §17.5)
+        committed = Record.from_bytes(raw, f"{self.dst_name}/{log_path(record.seq)}")
+        self.state.apply(committed)
+        if committed.type == "snapshot":
+            self._index_all()
+        else:
+            for path, ref, _prefix in objects:
+                self.committed[path] = ref
+        self.report.records_copied += 1
+        if not self.has_root:
+            self._create_root()
+
+    def _put(self, path: str, ref: ObjectRef, prefix: str) -> tuple[str, ObjectRef, Outcome]:
+        """Make sure the replica holds the object ``path`` with reference ``ref`` (not yet synced)."""
+        known = self.committed.get(path)
+        if known is not None:
+            if (known.size, known.crc32c) == (ref.size, ref.crc32c):
+                return path, ref, "committed"
+            raise ReplicaDivergedError(
+                f"{self.dst_name}/{path}: committed with size {known.size} and crc32c {known.crc32c}, while "
+                f"{self.src_name} references it with size {ref.size} and crc32c {ref.crc32c}: the replica is "
+                f"not a copy of {self.src_name}; nothing was changed. Delete it and sync again"
+            )
+        if self._holds(path, ref):
+            return path, ref, "verified"
+        try:
+            data = self.reader.read_object(ref, None, prefix)  # size and checksum verified (spec §7.6)
+        except MissingObjectError as e:
+            raise _SourceMoved(e) from None
+        try:
+            self.dst.write_parts(path, (data,))
+        except OSError as e:
+            raise io_error(f"{self.dst_name}/{path}: cannot write the object (no record references it yet; "
+                            "sync again)", e) from None
+        return path, ref, "copied"
+
+    def _holds(self, path: str, ref: ObjectRef) -> bool:
+        """Whether the replica already holds the object (a leftover of an interrupted call)."""
+        if path not in self.present:
+            return False
+        try:
+            if self.dst.size(path) != ref.size:
+                return False
+            return object_checksum(path, self.dst.read_buffer(path)) == ref.crc32c
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise io_error(f"{self.dst_name}/{path}: cannot read the replica's object", e) from None
+
+    def _create_root(self) -> None:
+        """Create the replica's root with the source's bytes, after its first record (spec §7.4)."""
+        try:
+            self.dst.create_exclusive(ROOT_FILE, self.root_bytes)
+        except FileExistsError:
+            raise ChainExistsError(
+                f"{self.dst_name}: another process created a chain here concurrently; nothing else was changed"
+            ) from None
+        except OSError as e:
+            raise io_error(f"{self.dst_name}/{ROOT_FILE}: cannot create the replica's root (sync again)", e) from None
+        self.has_root = True
+        self.report.created = True
+
+    # -- reading ----------------------------------------------------------------------------
+    def _read_src_record(self, seq: int) -> bytes:
+        where = f"{self.src_name}/{log_path(seq)}"
+        try:
+            return read_bounded(self.reader.store, log_path(seq), MAX_RECORD_BYTES, where)
+        except FileNotFoundError:
+            raise _SourceMoved(MissingLogRecord(f"{where}: commit record vanished while it was copied")) from None
+
+    def _read_dst_record(self, seq: int) -> bytes:
+        where = f"{self.dst_name}/{log_path(seq)}"
+        try:
+            return read_bounded(self.dst, log_path(seq), MAX_RECORD_BYTES, where)
+        except FileNotFoundError:
+            raise CorruptChainError(f"{where}: the replica's record vanished; is another process changing "
+                                    "it?") from None
+
+    def _diverged(self, seq: int, why: str) -> ReplicaDivergedError:
+        return ReplicaDivergedError(
+            f"{self.dst_name}/{log_path(seq)}: the replica has diverged from {self.src_name} ({why}): it was written "
+            f"to directly (a writer, compaction or truncation of the replica), or {self.src_name} was replaced; "
+            f"nothing was changed. Delete {self.dst_name} and sync again, or sync to a new location"
+        )
+
+    def _report_progress(self) -> None:
+        if self.progress is not None and self.total_bytes:
+            self.progress("bytes", self.done_bytes, self.total_bytes)
+
