@@ -257,7 +257,7 @@ def _open(location: str | os.PathLike[str] | Store, options: dict[str, Any] | No
     if isinstance(location, Store):
         if options:
             raise UsageError("sync: storage options apply to a location, not to a Store object")
-        return location, _describe(location)
+        return location, describe_store(location)
     loc = parse_location(location)
     store = open_store(location, storage_options=options)
     if create and loc.path is not None:
@@ -269,9 +269,9 @@ def _open(location: str | os.PathLike[str] | Store, options: dict[str, Any] | No
     return store, loc.name
 
 
-def _describe(store: Store) -> str:
+def describe_store(store: Store) -> str:
     if isinstance(store, FaultyStore):
-        return _describe(store.inner)
+        return describe_store(store.inner)
     if isinstance(store, LocalStore):
         return str(store.root)
     if isinstance(store, MemoryStore) and store.name is not None:

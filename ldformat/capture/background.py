@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -39,8 +40,9 @@ class BackgroundWriter:
     """The thread that appends queued steps; started on construction, ended by :meth:`stop`."""
 
     def __init__(self, writer: ChainWriter, pool: BufferPool, stats: CaptureStats, tuning: Tuning,
-                 replica: Replica | None) -> None:
+                 replica: Replica | None, on_commit: Callable[[int | None], None] | None = None) -> None:
         self.writer = writer
+        self.on_commit = on_commit  # called with the durable step after each commit (the mirror)
         self.pool = pool
         self.stats = stats
         self.tuning = tuning
@@ -81,6 +83,8 @@ class BackgroundWriter:
                     self.writer.append(captured)
                     if self.writer.commits != commits:
                         self.stats.commits += self.writer.commits - commits
+                        if self.on_commit is not None:
+                            self.on_commit(self.writer.durable_step)
                     if captured.anchor:
                         self.stats.anchors_written += 1
                         self.tuning.anchor_write_s = time.perf_counter() - started

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from ..errors import StepNotFoundError, UsageError
+from ..errors import CorruptChainError, LdformatError, StepNotFoundError, UsageError
 from ..log import ROOT_FILE
 from ..manifest import Kind
 from ..reader import ChainReader
+from ..replicate import ReplicaDivergedError, sync
 from ..stores import Store, location_name, parse_location
 from ..stores import open_store as open_location
 from ..topk import TopK
@@ -73,6 +74,8 @@ def resume(
     rank: int = 0,
     store: Store | None = None,
     storage_options: dict[str, Any] | None = None,
+    mirror: str | os.PathLike[str] | Store | None = None,
+    mirror_options: dict[str, Any] | None = None,
 ) -> int:
     """Restore the live training objects from a chain; returns the restored step.
 
@@ -90,14 +93,33 @@ def resume(
         rank: whose top-k residuals ``compressor`` receives (data-parallel ``lowdiff``).
         store, storage_options: an explicit store, or settings of the object store at the
             URL ``path`` (see :func:`ldformat.stores.open_store`).
+        mirror, mirror_options: the mirror a ``Checkpointer(..., mirror=...)`` replicated
+            ``path`` to. The newest valid of the two is used, by this rule (each choice
+            but the plain one is logged on the ``ldformat.capture`` logger):
+
+            1. the mirror holds no readable chain: ``path`` alone, as without ``mirror``;
+            2. ``path`` holds no readable chain, or the mirror's latest step is newer than
+               ``path``'s: ``ldformat.sync(mirror, path)`` first brings ``path`` up to the
+               mirror, then ``path`` is restored (and a Checkpointer appends there);
+            3. that sync refuses because ``path`` diverged from the mirror (or ``path``
+               holds something unreadable): the mirror, whose latest step is newer, is
+               restored from directly and ``path`` is left untouched; move it away before
+               checkpointing to ``path`` again;
+            4. otherwise (``path``'s latest step is the same or newer): ``path``, even if
+               the mirror diverged from it.
 
     Pass the returned step to ``Checkpointer(..., step=step)`` so that steps after it are
     truncated and re-recorded by the resumed run.
     """
     path, store = _chain_store(path, store, storage_options)
-    if not _holds_chain(path, store):
-        return 0
-    reader = ChainReader(path, store=store)
+    if mirror is not None:
+        reader = _newest(path, store, mirror, mirror_options)
+        if reader is None:
+            return 0
+    else:
+        if not _holds_chain(path, store):
+            return 0
+        reader = ChainReader(path, store=store)
     if reader.latest_step is None:
         return 0
     if step is None:
@@ -120,6 +142,51 @@ def resume(
     if "rng" in extra:
         restore_rng(extra["rng"])
     return step
+
+
+def _latest(path: str | os.PathLike[str] | Store, store: Store | None,
+            options: dict[str, Any] | None) -> tuple[ChainReader | None, str | None]:
+    """The chain at a location and its latest step, or None and why it holds no readable chain."""
+    try:
+        if isinstance(path, Store):
+            store, path = path, repr(path)
+        else:
+            path, store = _chain_store(path, store, options)
+        if not _holds_chain(path, store):
+            return None, "no chain"
+        return ChainReader(path, store=store), None
+    except LdformatError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _newest(path: str, store: Store | None, mirror: str | os.PathLike[str] | Store,
+            mirror_options: dict[str, Any] | None) -> ChainReader | None:
+    """The reader to resume from, local ``path`` or ``mirror`` (the rule of :func:`resume`)."""
+    from .mirror import describe
+
+    name = describe(mirror)
+    local, local_why = _latest(path, store, None)
+    remote, remote_why = _latest(mirror, None, mirror_options)
+    if remote is None or remote.latest_step is None:
+        if remote_why != "no chain":
+            log.warning("%s: the mirror is not readable (%s); resuming from %s", name, remote_why, path)
+        return local
+    local_step = local.latest_step if local is not None else None
+    if local_step is not None and local_step >= remote.latest_step:
+        return local
+    try:
+        report = sync(mirror, store if store is not None else path, src_options=mirror_options)
+    except (ReplicaDivergedError, UsageError, CorruptChainError) as e:
+        log.warning("%s: cannot update %s from the mirror (%s); resuming from the mirror's step %d, newer than "
+                    "%s's %s; move %s away before checkpointing there again",
+                    name, path, e, remote.latest_step, path, local_step if local is not None else local_why, path)
+        return remote
+    log.warning("%s: the mirror is ahead (step %s, %s has %s): copied %d records from it; resuming from %s",
+                name, remote.latest_step, path, local_step if local is not None else local_why,
+                report.records_copied, path)
+    return ChainReader(path, store=store)
 
 
 def open_writer(

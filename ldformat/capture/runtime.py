@@ -49,6 +49,7 @@ from .background import BackgroundWriter, Queued
 from .ddp import peer_residual_tensors, world_size
 from .extra import Stateful, loop_extra
 from .hooks import Hooks, open_at_exit
+from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
 from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
 from .resume import open_writer
@@ -119,6 +120,18 @@ class Checkpointer:
         process_group: for data-parallel ``lowdiff`` (docs/capture-runtime.md
             "Data-parallel `lowdiff`"): the Checkpointer runs on rank 0, a
             :class:`ResidualPeer` on every other rank.
+        mirror: replicate the chain in the background to this location (``s3://...``,
+            ``memory://name``, a local directory, or a :class:`Store`): training commits
+            locally as usual, and a mirror thread runs :func:`ldformat.sync` after commits
+            (at most one at a time; commits made meanwhile schedule one more). Mirror
+            failures never reach training: they are retried with exponential backoff (1 s
+            to 60 s), logged once per change of state on the ``ldformat.capture`` logger and
+            shown in :attr:`stats` (``mirror_lag_steps``, ``mirror_lag_seconds``,
+            ``mirror_last_error``, ``mirror_syncs``). A mirror that diverged
+            (:class:`~ldformat.ReplicaDivergedError`) is reported once and no longer synced.
+        mirror_options: ``storage_options`` of the object store at ``mirror``.
+        mirror_timeout: :meth:`close` commits locally, then waits at most this many seconds
+            for one final sync, and warns if the mirror is still behind.
 
     Example:
         >>> ck = Checkpointer("runs/chain", model, optimizer, mode="lowdiff")   # doctest: +SKIP
@@ -152,6 +165,9 @@ class Checkpointer:
         store: Store | None = None,
         process_group: dist.ProcessGroup | None = None,
         storage_options: dict[str, Any] | None = None,
+        mirror: Location | None = None,
+        mirror_options: dict[str, Any] | None = None,
+        mirror_timeout: float = DEFAULT_MIRROR_TIMEOUT_S,
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -223,7 +239,15 @@ class Checkpointer:
             # GradScaler.unscale_ (also called inside scaler.step) rewrites the gradients in
             # place without bumping their version counters: re-copy every staged gradient.
             self._hooks.call_after(scaler, "unscale_", lambda: self._staged_versions.clear())
-        self._background = BackgroundWriter(self.writer, self.pool, self.stats, self.tuning, self._replica)
+        self.mirror_timeout = mirror_timeout
+        self._mirror: Mirror | None = None
+        if mirror is not None:
+            self._mirror = Mirror(store if store is not None else self.path, mirror, stats=self.stats,
+                                  src_options=None if store is not None else storage_options,
+                                  dst_options=mirror_options)
+            self._mirror.committed(self.writer.durable_step)  # the chain as opened (or just created)
+        self._background = BackgroundWriter(self.writer, self.pool, self.stats, self.tuning, self._replica,
+                                            on_commit=self._mirror.committed if self._mirror is not None else None)
         self._queue, self._thread = self._background.queue, self._background.thread
         open_at_exit.add(self)
 
@@ -429,7 +453,10 @@ class Checkpointer:
             self._finalize()
         self._background.join()
         self._raise_if_failed()
-        return self.writer.commit()
+        step = self.writer.commit()
+        if self._mirror is not None:
+            self._mirror.committed(step)
+        return step
 
     def recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """``lowdiff+``: restore the live objects from the in-memory replica (no storage read).
@@ -446,7 +473,11 @@ class Checkpointer:
         return self._step
 
     def close(self) -> int | None:
-        """Flush and commit everything, stop the background thread, remove every hook."""
+        """Flush and commit everything, stop the background thread, remove every hook.
+
+        With a ``mirror``: then one final sync, bounded by ``mirror_timeout`` (a warning
+        says how far the mirror stays behind if it does not complete).
+        """
         if self._closed:
             return self.writer.durable_step
         try:
@@ -461,8 +492,19 @@ class Checkpointer:
             open_at_exit.discard(self)
         if self._background.error is not None:
             self.writer.abort()
+            if self._mirror is not None:
+                self._mirror.close(0.0)
             self._raise_if_failed()
-        return self.writer.close()
+        try:
+            step = self.writer.close()
+        except BaseException:
+            if self._mirror is not None:
+                self._mirror.close(0.0)
+            raise
+        if self._mirror is not None:
+            self._mirror.committed(step)
+            self._mirror.close(self.mirror_timeout)
+        return step
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -50,6 +51,18 @@ class CaptureStats:
     optimizer_times: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     stalls: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     policy: dict[str, object] = field(default_factory=dict)
+    # Background replication (``Checkpointer(mirror=...)``, :mod:`.mirror`); stays 0/None without one.
+    mirror_lag_steps: int = 0  # local latest committed step minus the mirror's
+    mirror_last_error: str | None = None  # the last failed sync ("Type: message"), kept after recovery
+    mirror_syncs: int = 0  # successful syncs
+    mirror_step: int | None = None  # the mirror's latest step, as the last successful sync saw it
+    mirror_behind_since: float | None = None  # time.monotonic() of the oldest local commit the mirror lacks
+
+    @property
+    def mirror_lag_seconds(self) -> float:
+        """Seconds since the oldest local commit that the mirror has not got yet (0 when caught up)."""
+        since = self.mirror_behind_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -61,6 +74,10 @@ class CaptureStats:
             "commits": self.commits,
             "anchors_written": self.anchors_written,
             "policy": self.policy,
+            "mirror_lag_steps": self.mirror_lag_steps,
+            "mirror_lag_seconds": self.mirror_lag_seconds,
+            "mirror_last_error": self.mirror_last_error,
+            "mirror_syncs": self.mirror_syncs,
         }
 
 

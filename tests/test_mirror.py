@@ -1,0 +1,211 @@
+"""Local-first checkpointing with background replication: ``Checkpointer(mirror=...)``.
+
+- After ``close()`` the mirror (``memory://`` and a local directory) holds the local chain:
+  the same steps, each materializing bit-exactly, and it validates; syncs ran off the
+  training thread.
+- A mirror that is down for a while, then back: no error reaches the training loop, steps
+  do not slow down, the lag grows and returns to 0, each change of state is logged once.
+- A divergent mirror is reported once and mirroring stops; training goes on.
+- ``resume(..., mirror=)``: the local chain gone, the run resumes from the mirror with the
+  same state as from the local chain; a divergent local chain defers to a newer mirror
+  and wins over an older one.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import TinyNet, assert_state_bits_equal, snapshot, train_step
+
+import ldformat
+import ldformat.capture.mirror as mirror_mod
+from ldformat import ChainReader
+from ldformat.capture.hooks import open_at_exit
+from ldformat.stores import OPS, FaultyStore, LocalStore, MemoryStore
+
+LOGGER = "ldformat.capture"
+
+
+@pytest.fixture(autouse=True)
+def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(LocalStore, "_fsync_fd", lambda self, fd: None)
+    monkeypatch.setattr(mirror_mod, "FIRST_RETRY_S", 0.05)
+    monkeypatch.setattr(mirror_mod, "MAX_RETRY_S", 0.2)
+    yield
+    for ck in list(open_at_exit):
+        try:
+            ck.close()
+        except Exception:
+            pass
+
+
+def training(seed: int = 0) -> tuple[TinyNet, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = TinyNet()
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def run(path: Path, mirror: Any, steps: int, **kw: Any) -> ldformat.Checkpointer:
+    model, opt = training()
+    ck = ldformat.Checkpointer(path, model, opt, mode="lowdiff+", anchor_every=4, batch_steps=2,
+                               mirror=mirror, **kw)
+    for s in range(1, steps + 1):
+        train_step(model, opt, s)
+    return ck
+
+
+def assert_same_chain(local: ChainReader, replica: ChainReader) -> None:
+    assert replica.root.chain_id == local.root.chain_id
+    assert replica.steps == local.steps and local.latest_step is not None
+    for s in local.steps:
+        assert_state_bits_equal(replica.materialize(s), local.materialize(s), f"step {s}")
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_mirror_equals_local_after_close(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    threads: list[str] = []
+    real_sync = mirror_mod.sync
+
+    def spy(*args: Any, **kw: Any) -> ldformat.SyncReport:
+        threads.append(threading.current_thread().name)
+        return real_sync(*args, **kw)
+
+    monkeypatch.setattr(mirror_mod, "sync", spy)
+    target = f"memory://mirror-{uuid.uuid4().hex}" if where == "memory" else str(tmp_path / "mirror")
+    ck = run(tmp_path / "chain", target, 11)
+    assert ck.close() == 11
+    assert threads and set(threads) == {"ldformat-mirror"}, threads
+    assert ck.stats.mirror_syncs >= 1 and ck.stats.mirror_last_error is None
+    assert ck.stats.mirror_lag_steps == 0 and ck.stats.mirror_lag_seconds == 0.0
+    assert ck.stats.to_dict()["mirror_lag_steps"] == 0
+    local, replica = ChainReader(tmp_path / "chain"), ChainReader(target)
+    assert replica.latest_step == 11
+    assert_same_chain(local, replica)
+    assert ldformat.validate(target).ok
+
+
+def test_mirror_down_then_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, LOGGER)
+    remote = FaultyStore(MemoryStore())
+    remote.fail(OPS, errno.EIO)  # down: every call fails
+    model, opt = training()
+    ck = ldformat.Checkpointer(tmp_path / "chain", model, opt, mode="lowdiff+", anchor_every=4, batch_steps=2,
+                               mirror=remote)
+    step_times: list[float] = []
+    step = 0
+
+    def train(n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            step += 1
+            started = time.perf_counter()
+            train_step(model, opt, step)  # raises if anything reached the training thread
+            step_times.append(time.perf_counter() - started)
+            time.sleep(0.01)
+
+    train(20)
+    deadline = time.monotonic() + 5
+    while remote.failures < 3 and time.monotonic() < deadline:
+        train(1)
+    assert remote.failures >= 3  # retried, with backoff
+    assert ck.stats.mirror_lag_steps >= 15, ck.stats.to_dict()
+    assert ck.stats.mirror_lag_seconds > 0.1
+    assert ck.stats.mirror_last_error is not None and "OSError" in ck.stats.mirror_last_error
+    assert ck.stats.mirror_syncs == 0
+    lag_down = ck.stats.mirror_lag_steps
+    train(5)
+    assert ck.stats.mirror_lag_steps > lag_down  # grows while down
+
+    remote.clear()  # back
+    deadline = time.monotonic() + 10
+    while ck.stats.mirror_syncs == 0 and time.monotonic() < deadline:
+        train(1)
+    ck.flush()
+    deadline = time.monotonic() + 10
+    while ck.stats.mirror_lag_steps and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert ck.stats.mirror_syncs >= 1 and ck.stats.mirror_lag_steps == 0, ck.stats.to_dict()
+    assert ck.stats.mirror_lag_seconds == 0.0
+    assert ck.close() == step
+    assert sorted(step_times)[len(step_times) // 2] < 0.2 and max(step_times) < 1.0, step_times
+
+    failed = [r for r in caplog.records if r.levelno >= logging.WARNING and "mirroring failed" in r.message]
+    back = [r for r in caplog.records if "mirroring works again" in r.message]
+    assert len(failed) == 1 and len(back) == 1, [r.message for r in caplog.records]
+    assert_same_chain(ChainReader(tmp_path / "chain"), ChainReader("replica", store=remote.inner))
+
+
+def test_close_warns_when_mirror_stays_behind(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, LOGGER)
+    remote = FaultyStore(MemoryStore())
+    remote.fail(OPS, errno.EIO)
+    ck = run(tmp_path / "chain", remote, 5, mirror_timeout=2.0)
+    started = time.monotonic()
+    assert ck.close() == 5  # the local chain is complete whatever the mirror does
+    assert time.monotonic() - started < 2.0
+    assert any("behind the local chain at close" in r.message for r in caplog.records)
+    assert ck.stats.mirror_lag_steps > 0
+    assert ChainReader(tmp_path / "chain").latest_step == 5
+
+
+def test_divergent_mirror_stops_mirroring(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, LOGGER)
+    other = tmp_path / "other"
+    run(tmp_path / "first", other, 3).close()  # the mirror now holds another chain
+    assert ChainReader(other).latest_step == 3
+    ck = run(tmp_path / "chain", other, 9)
+    assert ck.close() == 9
+    diverged = [r for r in caplog.records if "diverged" in r.message]
+    assert len(diverged) == 1, [r.message for r in caplog.records]
+    assert ck.stats.mirror_last_error is not None and "ReplicaDivergedError" in ck.stats.mirror_last_error
+    assert ck.stats.mirror_syncs == 0
+    assert ChainReader(other).latest_step == 3  # untouched
+    assert ChainReader(tmp_path / "chain").latest_step == 9
+
+
+def test_resume_from_mirror_when_local_is_gone(tmp_path: Path) -> None:
+    mirror = str(tmp_path / "mirror")
+    run(tmp_path / "chain", mirror, 10).close()
+
+    model_a, opt_a = training(seed=1)
+    step_a = ldformat.resume(tmp_path / "chain", model_a, opt_a)
+    model_b, opt_b = training(seed=2)
+    fresh = tmp_path / "fresh"
+    step_b = ldformat.resume(fresh, model_b, opt_b, mirror=mirror)
+    assert step_a == step_b == 10
+    assert_state_bits_equal(snapshot(model_b, opt_b), snapshot(model_a, opt_a), "resumed from the mirror")
+    assert ChainReader(fresh).latest_step == 10  # the mirror was synced into the fresh location
+    # Training continues there and mirrors again.
+    ck = ldformat.Checkpointer(fresh, model_b, opt_b, mode="lowdiff+", anchor_every=4, batch_steps=2,
+                               step=step_b, mirror=mirror)
+    train_step(model_b, opt_b, 11)
+    assert ck.close() == 11
+    assert ChainReader(mirror).latest_step == 11
+
+
+def test_resume_rule_with_a_divergent_local_chain(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, LOGGER)
+    mirror = str(tmp_path / "mirror")
+    run(tmp_path / "chain", mirror, 8).close()
+    run(tmp_path / "older", None, 3).close()  # another chain, older than the mirror
+    run(tmp_path / "newer", None, 12).close()  # another chain, newer than the mirror
+
+    model, opt = training(seed=3)
+    assert ldformat.resume(tmp_path / "older", model, opt, mirror=mirror) == 8
+    assert any("resuming from the mirror" in r.message for r in caplog.records)
+    assert ChainReader(tmp_path / "older").latest_step == 3  # left untouched
+    want_model, want_opt = training(seed=4)
+    ldformat.resume(mirror, want_model, want_opt)
+    assert_state_bits_equal(snapshot(model, opt), snapshot(want_model, want_opt), "from the mirror")
+
+    assert ldformat.resume(tmp_path / "newer", model, opt, mirror=mirror) == 12
+    assert ChainReader(mirror).latest_step == 8
