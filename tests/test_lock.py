@@ -158,23 +158,36 @@ def race_trials(race_pool: Any, tmp_path: Path, trials: int) -> None:
         plant_stale_lock(path)
         n = 2 + trial % 2
         stall = [0.0, 0.0005, 0.002][trial % 3]
-        for _, conn in workers[:n]:
-            conn.send({"path": str(path), "stall": stall})
-        if n < 3:  # the third party of the barrier
-            barrier.wait(timeout=60)
-        results = [conn.recv() for _, conn in workers[:n]]
-        kinds = sorted(r["result"] for r in results)
-        assert kinds == ["locked"] * (n - 1) + ["won"], f"trial {trial}: {kinds}"
-        won = next(r for r in results if r["result"] == "won")
-        reader = ChainReader(path)
-        assert reader.steps == template_steps + [won["durable"]], f"trial {trial}: a durable step was lost"
-        report = ldformat.validate(path)
-        assert report.ok, (trial, [str(p) for p in report.problems])
-        reader.materialize(won["durable"])
-        assert current_lock(LocalStore(path)) is None, "the winner did not release the lock"
+        results = run_race_trial(workers, barrier, {"path": str(path), "stall": stall}, n)
+        check_race_outcome(results, str(path), template_steps, LocalStore(path), trial)
         outcomes[f"{n} processes"] = outcomes.get(f"{n} processes", 0) + 1
         shutil.rmtree(path)
     assert sum(outcomes.values()) == trials
+
+
+def run_race_trial(workers: list[tuple[Any, Connection]], barrier: Any, job: dict[str, Any],
+                   n: int) -> list[dict[str, Any]]:
+    """Send ``job`` to ``n`` of the 3 race workers at once; their results."""
+    for _, conn in workers[:n]:
+        conn.send(job)
+    if n < 3:  # the third party of the barrier
+        barrier.wait(timeout=60)
+    return [conn.recv() for _, conn in workers[:n]]
+
+
+def check_race_outcome(results: list[dict[str, Any]], location: str, before: list[int], store: Any,
+                       trial: int) -> dict[str, Any]:
+    """Exactly one winner, the rest locked out; the winner's step is durable, the chain valid."""
+    kinds = sorted(r["result"] for r in results)
+    assert kinds == ["locked"] * (len(results) - 1) + ["won"], f"trial {trial}: {kinds}"
+    won = next(r for r in results if r["result"] == "won")
+    reader = ChainReader(location)
+    assert reader.steps == before + [won["durable"]], f"trial {trial}: a durable step was lost"
+    report = ldformat.validate(location)
+    assert report.ok, (trial, [str(p) for p in report.problems])
+    reader.materialize(won["durable"])
+    assert current_lock(store) is None, "the winner did not release the lock"
+    return won
 
 
 def test_cli_takeover_race_exit_codes(tmp_path: Path) -> None:

@@ -35,6 +35,7 @@ import crash_writer as cw
 import pytest
 import s3_crash_writer as scw
 from models import assert_state_bits_equal, snapshot
+from test_lock import check_race_outcome, run_race_trial
 
 import ldformat
 from ldformat import ChainReader, ChainWriter
@@ -399,20 +400,8 @@ def race_trials(race_pool: Any, trials: int) -> dict[str, int]:
         planted = plant_stale_lock(url)
         n = 2 + trial % 2
         stall = [0.0, 0.001, 0.003][trial % 3]
-        for _, conn in workers[:n]:
-            conn.send({"url": url, "stall": stall})
-        if n < 3:  # the third party of the barrier
-            barrier.wait(timeout=60)
-        results = [conn.recv() for _, conn in workers[:n]]
-        kinds = sorted(r["result"] for r in results)
-        assert kinds == ["locked"] * (n - 1) + ["won"], f"trial {trial}: {kinds}"
-        won = next(r for r in results if r["result"] == "won")
-        reader = ChainReader(url)
-        assert reader.steps == before + [won["durable"]], f"trial {trial}: a durable step was lost"
-        report = ldformat.validate(url)
-        assert report.ok, (trial, [str(p) for p in report.problems])
-        reader.materialize(won["durable"])
-        assert current_lock(_object_store(url)) is None, "the winner did not release the lock"
+        results = run_race_trial(workers, barrier, {"url": url, "stall": stall}, n)
+        won = check_race_outcome(results, url, before, _object_store(url), trial)
         assert won["generation"] > planted, "the winner did not take a new generation"
         outcomes[f"{n} processes"] = outcomes.get(f"{n} processes", 0) + 1
     return outcomes
