@@ -81,7 +81,7 @@ def anchor_parts(tensors: dict[str, torch.Tensor], step: int) -> AnchorParts:
         if t.device.type != "cpu":
             raise UnsupportedStateError(f"{name}: anchor tensors must be on the CPU, not {t.device}")
         if t.dtype not in _CODES:
-            raise UnsupportedStateError(f"{name}: dtype {t.dtype} is not supported by format 1.0")
+            raise UnsupportedStateError(f"{name}: dtype {t.dtype} is not supported by format 1.x")
         flat[name] = t.detach().contiguous()
     _refuse_shared_memory(flat)
     # Decreasing element size, then name: every tensor is aligned to its element size
@@ -164,7 +164,7 @@ def _parse_header(data: bytes | bytearray | memoryview | np.ndarray,
             raise bad(f"{name}: not an object")
         dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in SAFETENSORS_DTYPES:
-            raise bad(f"{name}: dtype {dtype!r} is not one of format 1.0")
+            raise bad(f"{name}: dtype {dtype!r} is not one of format 1.x")
         dims = tuple(d for d in shape if is_uint(d)) if isinstance(shape, list) else ()
         if not isinstance(shape, list) or len(dims) != len(shape):
             raise bad(f"{name}: shape {shape!r} is not a list of non-negative integers")

@@ -69,7 +69,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise UnsupportedStateError(f"dtype {dtype} is not supported by format 1.0") from None
+        raise UnsupportedStateError(f"dtype {dtype} is not supported by format 1.x") from None
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -60,7 +60,7 @@ def model_schema(model: torch.nn.Module) -> list[ModelEntry]:
         if not isinstance(value, torch.Tensor):
             raise UnsupportedStateError(
                 f"model state {name!r} is a {type(value).__name__}, not a tensor; "
-                "format 1.0 stores tensors only (keep such state in `extra`)"
+                "format 1.x stores tensors only (keep such state in `extra`)"
             )
         if value.is_sparse or value.layout != torch.strided:
             raise UnsupportedStateError(f"model state {name!r} is not a dense strided tensor")
@@ -93,7 +93,7 @@ def _refuse_partial_overlap(model: torch.nn.Module, entries: list[ModelEntry]) -
         if ptr in owners:
             raise UnsupportedStateError(
                 f"model state {e['name']!r} shares storage with {owners[ptr]!r} without being the "
-                "same tensor; format 1.0 supports tied weights only as identical tensors"
+                "same tensor; format 1.x supports tied weights only as identical tensors"
             )
         owners[ptr] = e["name"]
 
@@ -140,7 +140,7 @@ def encode_param_groups(optimizer: torch.optim.Optimizer, *, with_params: bool) 
                 continue
             if isinstance(v, torch.Tensor):
                 raise UnsupportedStateError(
-                    f"param group {i} has a tensor-valued {k!r}; format 1.0 refuses tensor "
+                    f"param group {i} has a tensor-valued {k!r}; format 1.x refuses tensor "
                     "hyperparameters (use a Python float)"
                 )
             body[k] = v
@@ -162,7 +162,7 @@ def live_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.
             if not isinstance(value, torch.Tensor):
                 raise UnsupportedStateError(
                     f"optimizer state {key!r} of parameter {i} is a {type(value).__name__}; "
-                    "format 1.0 stores tensor optimizer state only"
+                    "format 1.x stores tensor optimizer state only"
                 )
             out[f"optimizer/{i}/{key}"] = value.detach()
     return out

@@ -178,7 +178,7 @@ class ChainWriter:
 
         Raises:
             ChainExistsError: ``path`` already holds a chain.
-            UnsupportedStateError: the model or optimizer uses something format 1.0 refuses.
+            UnsupportedStateError: the model or optimizer uses something format 1.x refuses.
         """
         if kind not in KINDS:
             raise UsageError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -322,7 +322,7 @@ class ChainWriter:
         ):
             raise UnsupportedStateError(
                 f"{self.path}: the optimizer's param groups changed since the chain was created "
-                "(add_param_group?); format 1.0 fixes them at creation: start a new chain"
+                "(add_param_group?); format 1.x fixes them at creation: start a new chain"
             )
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
@@ -477,7 +477,7 @@ class ChainWriter:
             j = self._slot_index[name] = len(self._slots)
             self._slots.append(SlotInfo(name=name, dtype=ct.dtype, shape=ct.shape, encoding=encoding))
         elif self._slots[j].shape != ct.shape or self._slots[j].dtype != ct.dtype:
-            raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.0 refuses that")
+            raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.x refuses that")
         return j
 
     def _xor_delta(self, name: str, bits: np.ndarray) -> np.ndarray:
