@@ -353,6 +353,16 @@ def residual_rank(name: str) -> tuple[int, str] | None:
     return int(rank), param
 
 
+#: ``torch.optim`` classes whose per-parameter state is scalars (``step``, ASGD's ``eta``/``mu``)
+#: or tensors of the parameter's shape; replay of another shape would fail inside the step.
+PARAM_SHAPED_STATE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad",
+                                "Adadelta", "ASGD", "Rprop"})
+
+
+def _short_class(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
 def check_anchor_tensors(schema: Schema, tensors: Mapping[str, TensorMeta], where: str) -> None:
     """The stored names of an anchor (spec §8, §9.1, §14): every ``model/<key>`` of the schema
     with its dtype and shape; ``optimizer/<i>/<key>`` for parameter indices ``i``; in
@@ -375,6 +385,15 @@ def check_anchor_tensors(schema: Schema, tensors: Mapping[str, TensorMeta], wher
             if i is None or i >= len(schema.params) or not sep:
                 raise CorruptChainError(f"{where}: the anchor holds {name}, which names no optimizer parameter "
                                         f"(the chain has {len(schema.params)}; spec §8)")
+            if schema.gradient and _short_class(schema.optimizer) in PARAM_SHAPED_STATE:
+                param_shape = schema.param_meta(i)[1]
+                numel = 1
+                for d in shape:
+                    numel *= d
+                if shape != param_shape and numel > 1:
+                    raise CorruptChainError(
+                        f"{where}: the anchor's {name} has shape {list(shape)}; {schema.optimizer} keeps scalars "
+                        f"or tensors of its parameter's shape {list(param_shape)} (spec §11.5)")
             continue
         try:
             residual = residual_rank(name)

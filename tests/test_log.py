@@ -76,3 +76,41 @@ def test_non_canonical_record_is_refused_even_with_a_valid_checksum(tmp_path: Pa
     with pytest.raises(FormatError, match="not in canonical form"):
         read_log(LocalStore(path), str(path))
     assert not ldformat.validate(path).ok
+
+
+def test_validate_checks_optimizer_state_shapes_in_anchors(tmp_path: Path) -> None:
+    """An anchor of a gradient chain whose Adam moment has the wrong shape: validate says so
+    (it used to pass plain validate and fail only in materialize)."""
+    import safetensors.torch
+    from test_lock import make_training, train
+
+    from ldformat import ChainWriter
+    from ldformat.jsonvalue import object_checksum
+
+    path = tmp_path / "chain"
+    model, optimizer = make_training()
+    writer = ChainWriter.create(path, model, optimizer, kind="grad.dense")
+    for s in (1, 2):
+        train(model, optimizer, s)
+        writer.record_step(s)
+    writer.write_anchor(2)
+    writer.close()
+    assert ldformat.validate(path).ok
+    seq = max(int(p.stem) for p in (path / "log").glob("*.json"))
+    doc = json.loads((path / log_path(seq)).read_text())
+    entry = next(a for a in doc["anchors"] if a["step"] == 2)
+    obj = path / entry["object"]["path"]
+    with safetensors.safe_open(str(obj), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    name = next(k for k in tensors if k.endswith("/exp_avg") and tensors[k].dim() == 2)
+    tensors[name] = tensors[name].reshape(-1)[:-1].clone()  # one element short, 1-D
+    safetensors.torch.save_file(tensors, str(obj), metadata=meta)
+    data = obj.read_bytes()
+    entry["object"].update(size=len(data), crc32c=object_checksum(entry["object"]["path"], data))
+    rewrite_record(path, seq, lambda d: d.update(anchors=doc["anchors"]))
+    report = ldformat.validate(path)
+    assert not report.ok, "validate passed an anchor that replay cannot use"
+    assert name in str(report.problems[0]) and "shape" in str(report.problems[0])
+    with pytest.raises(CorruptChainError):
+        ChainReader(path).materialize(2)
