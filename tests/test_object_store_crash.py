@@ -254,7 +254,15 @@ def check_and_take_over(moto: MotoServer, url: str, kind: str, big: bool, dead_p
     lock = current_lock(store)
     assert lock is not None and lock.pid == dead_pid and lock.host == socket.gethostname(), lock
 
+    # A request the killed writer had already sent (e.g. completing a multipart upload) may
+    # still be finishing on the server: wait until the listing is stable.
     before = object_sizes(moto, url)
+    for _ in range(50):
+        time.sleep(0.2)
+        again = object_sizes(moto, url)
+        if again == before:
+            break
+        before = again
     report = ldformat.validate(url)
     assert report.ok, [str(p) for p in report.problems]
     assert object_sizes(moto, url) == before, "validate changed the chain"
