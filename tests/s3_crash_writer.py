@@ -157,6 +157,8 @@ def race_worker(conn: Any, barrier: Any) -> None:
         except Exception as e:  # reported to the test, which fails on it
             conn.send({"result": f"error {type(e).__name__}: {e}"})
             continue
+        conn.send({"result": "holding"})
+        conn.recv()  # hold the lock until every racer has tried: a slow starter must be locked out
         try:
             generation = writer._lock.generation if writer._lock is not None else -1
             step = (writer.durable_step or 0) + 1

@@ -105,6 +105,8 @@ def _race_worker(conn: Connection, barrier: Any) -> None:
         except Exception as e:  # reported to the test, which fails on it
             conn.send({"result": f"error {type(e).__name__}: {e}"})
             continue
+        conn.send({"result": "holding"})
+        conn.recv()  # hold the lock until every racer has tried: a slow starter must be locked out
         try:
             step = (writer.durable_step or 0) + 1
             train(model, optimizer, step)
@@ -172,7 +174,14 @@ def run_race_trial(workers: list[tuple[Any, Connection]], barrier: Any, job: dic
         conn.send(job)
     if n < 3:  # the third party of the barrier
         barrier.wait(timeout=60)
-    return [conn.recv() for _, conn in workers[:n]]
+    first = [conn.recv() for _, conn in workers[:n]]
+    # Every racer has now either been locked out or holds the lock; more than one holder is
+    # the defect under test. Holders then commit one step and release.
+    for (_, conn), result in zip(workers[:n], first):
+        if result["result"] == "holding":
+            conn.send("finish")
+    return [conn.recv() if result["result"] == "holding" else result
+            for (_, conn), result in zip(workers[:n], first)]
 
 
 def check_race_outcome(results: list[dict[str, Any]], location: str, before: list[int], store: Any,
