@@ -67,6 +67,7 @@ def resume(
     *,
     scheduler: Stateful | None = None,
     scaler: Stateful | None = None,
+    data: Stateful | None = None,
     sampler: Stateful | None = None,
     compressor: TopK | None = None,
     exact: bool = False,
@@ -91,6 +92,8 @@ def resume(
             which changes the following compressed gradients (spec §14.2).
         step: an explicit step to resume from.
         rank: whose top-k residuals ``compressor`` receives (data-parallel ``lowdiff``).
+        data: the data position object given to the Checkpointer as ``data=`` (``sampler=``
+            is its former name); its ``load_state_dict`` receives the captured position.
         store, storage_options: an explicit store, or settings of the object store at the
             URL ``path`` (see :func:`ldformat.stores.open_store`).
         mirror, mirror_options: the mirror a ``Checkpointer(..., mirror=...)`` replicated
@@ -134,8 +137,10 @@ def resume(
         scheduler.load_state_dict(extra["scheduler"])
     if scaler is not None and "scaler" in extra:
         scaler.load_state_dict(extra["scaler"])
-    if sampler is not None and extra.get("data") is not None:
-        sampler.load_state_dict(extra["data"])
+    if data is None:
+        data = sampler
+    if data is not None and extra.get("data") is not None:
+        data.load_state_dict(extra["data"])
     if compressor is not None:
         residuals = state.get("compressor", {}) if rank == 0 else state.get("compressor_ranks", {}).get(rank, {})
         compressor.load_residuals(residuals)

@@ -94,8 +94,10 @@ class Checkpointer:
             ``"xor"`` (bitwise state deltas, ``state.xor``).
         scheduler, scaler: an LR scheduler and a GradScaler whose state is captured (their
             ``step``/``update`` methods are wrapped while the checkpointer is open).
-        sampler: an object with ``state_dict``/``load_state_dict`` (e.g.
-            :class:`ResumableSampler`) whose position is captured.
+        data: the data position: any object with ``state_dict``/``load_state_dict``
+            (a :class:`ResumableSampler`, torchdata's ``StatefulDataLoader``, ...), captured
+            with every step and restored by :func:`resume`.
+        sampler: the former name of ``data`` (pass one or the other).
         anchor_every, batch_steps: in steps, or ``"auto"`` (wasted-time model,
             docs/capture-runtime.md "Anchor interval and batch size").
         topk_ratio: the top-k ratio of ``lowdiff`` mode.
@@ -149,6 +151,7 @@ class Checkpointer:
         mode: Mode = "lowdiff",
         scheduler: Stateful | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        data: Stateful | None = None,
         sampler: Stateful | None = None,
         anchor_every: Interval = "auto",
         batch_steps: Interval = "auto",
@@ -182,7 +185,9 @@ class Checkpointer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.scaler = scaler
-        self.sampler = sampler
+        if data is not None and sampler is not None:
+            raise UsageError("pass the data position as data= (sampler= is its former name), not both")
+        self.sampler = data if data is not None else sampler
         self.user_extra: dict[str, object] = dict(extra or {})
         self.compressor = compressor if compressor is not None else (TopK(topk_ratio) if mode == "lowdiff" else None)
         self._compress = compress and mode == "lowdiff"
