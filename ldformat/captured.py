@@ -68,6 +68,7 @@ class CapturedStep:
     tensors: dict[str, CapturedTensor]  # grad kinds: grad/<i> + model/<buffer>; xor: whole state
     anchor: bool = False
     anchor_tensors: dict[str, torch.Tensor] | None = None  # full state for an anchor (grad kinds)
+    optimizer: JSON = None  # the optimizer structure (spec §8.2) after the step: xor steps, anchors
     owned: bool = True  # False: tensors are reused buffers, so the writer copies what it keeps
 
 

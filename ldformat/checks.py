@@ -31,6 +31,7 @@ import torch
 from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import JSON, Decoded, decode, dtype_name
 from .manifest import KINDS, AnchorEntry, Kind, RootMetadata, SlotInfo, StepEntry
+from .optstate import REF_PREFIX, check_structure
 from .state import ParamGroup
 
 #: (dtype name, shape) of a stored tensor.
@@ -379,6 +380,8 @@ def check_anchor_tensors(schema: Schema, tensors: Mapping[str, TensorMeta], wher
                 raise CorruptChainError(f"{where}: the anchor's {name} is {dtype} {list(shape)}; the schema says "
                                         f"{want[0]} {list(want[1])} (spec §9.1)")
             continue
+        if space == "optimizer" and name.startswith(REF_PREFIX):
+            continue  # a tensor of the optimizer structure: check_structure checks it is referenced
         if space == "optimizer":
             i_text, sep, _key = rest.partition("/")
             i = parse_index(i_text)
@@ -456,5 +459,6 @@ def check_anchor(schema: Schema, entry: AnchorEntry, tensors: Mapping[str, Tenso
     """An anchor entry and the tensors of its object: :func:`check_anchor_tensors`,
     :func:`check_param_groups` (with ``rules`` for gradient kinds) and :func:`check_extra`."""
     check_anchor_tensors(schema, tensors, where)
+    check_structure(entry.optimizer, tensors, len(schema.params), where)
     check_param_groups(schema, entry.param_groups, where, rules)
     check_extra(entry.extra, where)

@@ -256,7 +256,8 @@ def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorE
     tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor")}
     anchor = anchor_parts(tensors, step)
     ref = _write_parts(reader, anchor_object_path(step), anchor.parts, anchor.size, written)
-    return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra)
+    return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra,
+                       optimizer=replayer.optimizer_structure)
 
 
 def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]], written: list[str]) -> DeltaEntry:
@@ -291,7 +292,7 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
             row_out[j] = (None, vals)
         last = state.deltas[t][1]
         entries.append(StepEntry(step=t, base=base, row=len(rows), stepped=True, hyper=None,
-                                 param_groups=last.param_groups, extra=last.extra))
+                                 param_groups=last.param_groups, extra=last.extra, optimizer=last.optimizer))
         rows.append(row_out)
     first, last_step = entries[0].step, entries[-1].step
     group = batch_group_path(first, last_step)

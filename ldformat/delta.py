@@ -381,7 +381,8 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
         else:
             i_text, _, key = rest.partition("/")
             i = _index(i_text)
-            if i is None or i >= len(params) or not key:
+            structure = i_text == "ref"  # optimizer/ref/...: a tensor of the optimizer structure (§8.2)
+            if not key or not structure and (i is None or i >= len(params)):
                 raise CorruptChainError(f"{bad} names no optimizer parameter (the chain has {len(params)})")
             expected = None
             if not _shape_ok(slot.shape) or slot.numel > max(1, total):

@@ -79,8 +79,29 @@ def parse_dtype(name: str) -> torch.dtype:
         raise CorruptChainError(f"unknown dtype {name!r} in chain metadata") from None
 
 
+class TensorRef:
+    """A ``$ref`` value (spec §6.1, §8.2): the stored tensor named ``name`` goes here."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TensorRef) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(("TensorRef", self.name))
+
+    def __repr__(self) -> str:
+        return f"TensorRef({self.name!r})"
+
+
 def encode(value: object, where: str = "value") -> JSON:
-    """Turn a Python value into plain JSON data, tagging what JSON cannot hold."""
+    """Turn a Python value into plain JSON data, tagging what JSON cannot hold.
+
+    A :class:`TensorRef` becomes ``{"$ref": name}`` (the optimizer structure of spec §8.2).
+    """
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
@@ -102,6 +123,10 @@ def encode(value: object, where: str = "value") -> JSON:
         if all(isinstance(k, str) and not k.startswith("$") for k in value):
             return {k: encode(v, f"{where}.{k}") for k, v in value.items()}
         return {"$items": [[encode(k, where), encode(v, f"{where}.{k}")] for k, v in value.items()]}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": dtype_name(value)}
+    if isinstance(value, TensorRef):
+        return {"$ref": value.name}
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
         nbytes = t.numel() * t.element_size()
@@ -122,7 +147,7 @@ def encode(value: object, where: str = "value") -> JSON:
         return {"$bytes": base64.b64encode(value).decode("ascii")}
     raise UnsupportedStateError(
         f"{where}: a value of type {type(value).__name__} cannot be stored "
-        "(allowed: None, bool, int, float, str, list, tuple, dict, bytes, small tensors)"
+        "(allowed: None, bool, int, float, str, list, tuple, dict, bytes, torch dtypes, small tensors)"
     )
 
 
@@ -219,9 +244,21 @@ def _decode_tensor(inner: JSON, where: str) -> torch.Tensor:
     return flat.view(dtype).reshape(dims).clone()
 
 
+def _decode_dtype(inner: JSON, where: str) -> torch.dtype:
+    if not isinstance(inner, str) or inner not in _DTYPES:
+        raise _bad(where, "$dtype", f"unknown dtype {inner!r}")
+    return _DTYPES[inner]
+
+
+def _decode_ref(inner: JSON, where: str) -> TensorRef:
+    if not isinstance(inner, str):
+        raise _bad(where, "$ref", "not a string")
+    return TensorRef(inner)
+
+
 _TAGS: dict[str, Callable[[JSON, str], Decoded]] = {
     "$float": _decode_float, "$tuple": _decode_tuple, "$items": _decode_items, "$bytes": _decode_bytes,
-    "$tensor": _decode_tensor,
+    "$tensor": _decode_tensor, "$dtype": _decode_dtype, "$ref": _decode_ref,
 }
 
 

@@ -27,7 +27,7 @@ from .jsonvalue import (
 from .stores import check_relative_path
 
 FORMAT_NAME = "ldformat"
-FORMAT_VERSION = "1.1"
+FORMAT_VERSION = "1.2"
 FORMAT_MAJOR = 1
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -84,6 +84,13 @@ def _require_object(doc: Mapping[str, JSON], key: str, where: str) -> JSONObject
     return value
 
 
+def _optional_object(doc: Mapping[str, JSON], key: str, where: str) -> JSONObject | None:
+    """An object member that may be absent (never ``null``: a canonical record omits it)."""
+    if key not in doc:
+        return None
+    return _require_object(doc, key, where)
+
+
 def _safe_path(path: str, where: str) -> str:
     """``path`` if it is safe (spec §21.2); else corruption naming the record it came from."""
     try:
@@ -124,20 +131,24 @@ class AnchorEntry:
     object: ObjectRef
     param_groups: JSON  # encoded (spec §6); an array of param groups
     extra: JSON  # encoded; an object
+    optimizer: JSON = None  # the optimizer structure (spec §8.2), absent when it is empty
 
     def to_dict(self) -> JSONObject:
-        return {
+        d: JSONObject = {
             "step": self.step,
             "object": self.object.to_dict(),
             "param_groups": self.param_groups,
             "extra": self.extra,
         }
+        if self.optimizer is not None:
+            d["optimizer"] = self.optimizer
+        return d
 
     @classmethod
     def from_dict(cls, d: JSON, where: str) -> AnchorEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: anchor entry is not an object")
-        _check_fields(d, {"step", "object", "param_groups", "extra"}, where)
+        _check_fields(d, {"step", "object", "param_groups", "extra", "optimizer"}, where)
         step = _require(d, "step", int, where)
         ref = ObjectRef.from_dict(d.get("object"), f"{where} anchor {step}")
         if not ref.path.startswith("anchors/"):
@@ -147,6 +158,7 @@ class AnchorEntry:
             object=ref,
             param_groups=_require_list(d, "param_groups", where),
             extra=_require_object(d, "extra", where),
+            optimizer=_optional_object(d, "optimizer", where),
         )
 
 
@@ -196,9 +208,10 @@ class StepEntry:
     hyper: JSON  # encoded (spec §6); null or an array of param groups without params
     param_groups: JSON  # encoded; an array of param groups
     extra: JSON  # encoded; an object
+    optimizer: JSON = None  # state.xor: the optimizer structure (spec §8.2), absent when empty
 
     def to_dict(self) -> JSONObject:
-        return {
+        d: JSONObject = {
             "step": self.step,
             "base": self.base,
             "row": self.row,
@@ -207,12 +220,15 @@ class StepEntry:
             "param_groups": self.param_groups,
             "extra": self.extra,
         }
+        if self.optimizer is not None:
+            d["optimizer"] = self.optimizer
+        return d
 
     @classmethod
     def from_dict(cls, d: JSON, where: str) -> StepEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: step entry is not an object")
-        _check_fields(d, {"step", "base", "row", "stepped", "hyper", "param_groups", "extra"}, where)
+        _check_fields(d, {"step", "base", "row", "stepped", "hyper", "param_groups", "extra", "optimizer"}, where)
         step = _require(d, "step", int, where)
         base = _require(d, "base", int, where)
         if not 0 <= base < step:
@@ -228,6 +244,7 @@ class StepEntry:
             hyper=hyper,
             param_groups=_require_list(d, "param_groups", where),
             extra=_require_object(d, "extra", where),
+            optimizer=_optional_object(d, "optimizer", where),
         )
 
 

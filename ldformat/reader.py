@@ -221,13 +221,26 @@ class ChainReader:
             result["compressor"] = ranks.get(0, {})
         return result
 
+    def stored_tensors(self, step: int | None = None) -> dict[str, torch.Tensor]:
+        """The tensors of ``step``'s state under their stored names (spec §8), as replay holds
+        them: what a writer appending to a ``state.xor`` chain XORs against."""
+        def replayed(s: int) -> dict[str, torch.Tensor]:
+            anchor_step, path = self.state.replay_path(s)
+            replayer = self.start_replay(anchor_step)
+            self.replay_steps(replayer, path)
+            replayer.sync_optimizer_tensors()
+            return replayer.tensors
+
+        return self._retry(lambda: replayed(self._check_step(step)))
+
     def start_replay(self, anchor_step: int) -> Replayer:
         """A replayer holding the state of anchor ``anchor_step``, checked (spec §9, §18)."""
         entry = self.state.anchors[anchor_step]
         where = f"{self.path}/{entry.object.path} (step {anchor_step})"
         tensors = self.load_anchor_tensors(anchor_step)
         with _unexpected_as_corrupt(where):
-            replayer = Replayer(self.root, tensors, entry.param_groups, entry.extra, chain=self.path)
+            replayer = Replayer(self.root, tensors, entry.param_groups, entry.extra, optimizer=entry.optimizer,
+                                chain=self.path)
             check_anchor(replayer.schema, entry, tensor_metas(tensors), where)
         return replayer
 

@@ -35,15 +35,17 @@ from .delta import Segment, dense_view, fill_from_segment, segment_to_tensor, xo
 from .errors import CorruptChainError
 from .jsonvalue import JSON, dtype_name, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
-from .state import ParamGroup, bits_view, live_optimizer_tensors
+from .optstate import REF_PREFIX, join_state, live_optimizer_state
+from .state import ParamGroup, bits_view
 
 
 # -- the optimizer, shared by Replayer and ProxyReplayer ------------------------------------------
 def optimizer_state(tensors: Mapping[str, torch.Tensor], where: str) -> dict[int, dict[str, torch.Tensor]]:
-    """``{i: {key: tensor}}`` from the ``optimizer/<i>/<key>`` tensors of a state."""
+    """``{i: {key: tensor}}`` from the ``optimizer/<i>/<key>`` tensors of a state (not the
+    tensors of the optimizer structure, ``optimizer/ref/...``)."""
     state: dict[int, dict[str, torch.Tensor]] = {}
     for name, t in tensors.items():
-        if name.startswith("optimizer/"):
+        if name.startswith("optimizer/") and not name.startswith(REF_PREFIX):
             i_text, sep, key = name[len("optimizer/"):].partition("/")
             i = parse_index(i_text)
             if i is None or not sep:
@@ -58,7 +60,7 @@ def _leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 def build_optimizer(cls: type[torch.optim.Optimizer], params: list[torch.Tensor], groups: list[ParamGroup],
-                    state: dict[int, dict[str, torch.Tensor]], where: str) -> torch.optim.Optimizer:
+                    state: Mapping[Any, Any], where: str) -> torch.optim.Optimizer:
     """``cls([{**group without params, "params": [p_i, ...]}, ...])`` then ``load_state_dict``
     (spec §11.5); ``groups`` passed :func:`~ldformat.checks.check_param_groups`."""
     # check_param_groups checked each group's params: a list of parameter indices.
@@ -115,12 +117,13 @@ class Replayer:
     """A state being rolled forward, starting from an anchor."""
 
     def __init__(self, root: RootMetadata, tensors: dict[str, torch.Tensor], param_groups: JSON, extra: JSON,
-                 *, chain: str = "") -> None:
+                 *, optimizer: JSON = None, chain: str = "") -> None:
         self.root = root
         self.schema = Schema.of(root, chain)
         self.tensors = tensors
         self.param_groups = param_groups
         self.extra = extra
+        self.optimizer_structure = optimizer  # spec §8.2
         self._rules: OptimizerRules | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: list[torch.Tensor] = []
@@ -142,7 +145,8 @@ class Replayer:
             if t is None:
                 raise CorruptChainError(f"{where}: the anchor lacks model/{n}")
             params.append(_leaf(t))
-        opt = build_optimizer(rules.cls, params, groups, optimizer_state(self.tensors, where), where)
+        state = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where)["state"]
+        opt = build_optimizer(rules.cls, params, groups, state, where)
         self._params = params
         return opt
 
@@ -211,13 +215,16 @@ class Replayer:
                     xor_into(self.tensors[name], seg)
         self.param_groups = entry.param_groups
         self.extra = entry.extra
+        self.optimizer_structure = entry.optimizer
 
     # -- output ------------------------------------------------------------------------
     def sync_optimizer_tensors(self) -> None:
+        """Take the optimizer state (tensors and structure) from the optimizer replay stepped."""
         if self._optimizer is not None:
             for name in [n for n in self.tensors if n.startswith("optimizer/")]:
                 del self.tensors[name]
-            self.tensors.update(live_optimizer_tensors(self._optimizer))
+            tensors, self.optimizer_structure = live_optimizer_state(self._optimizer)
+            self.tensors.update(tensors)
 
     # Any: a materialized state (ChainReader.materialize), whose values are torch state dicts.
     def result(self, step: int, where: str = "") -> dict[str, Any]:
@@ -229,9 +236,8 @@ class Replayer:
             if t is None:
                 raise CorruptChainError(f"{where}: the chain's state lacks model/{source} at step {step}")
             model[key] = t.detach()
-        state = {i: {k: t.detach() for k, t in s.items()} for i, s in optimizer_state(self.tensors, where).items()}
         groups = check_param_groups(self.schema, self.param_groups, where)
-        optimizer = {"state": dict(sorted(state.items())), "param_groups": groups}
+        optimizer = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where)
         return {"model": model, "optimizer": optimizer, "step": step, "extra": check_extra(self.extra, where)}
 
 
@@ -249,11 +255,12 @@ class ProxyReplayer:
     """
 
     def __init__(self, schema: Schema, rules: OptimizerRules, anchor: Mapping[str, torch.Tensor],
-                 param_groups: JSON, where: str) -> None:
+                 param_groups: JSON, where: str, optimizer: JSON = None) -> None:
         self.schema, self.rules = schema, rules
         self.params = [_leaf(torch.zeros((1,) * len(shape), dtype=parse_dtype(dtype)))
                        for dtype, shape in (schema.param_meta(i) for i in range(len(schema.params)))]
-        self.state = {i: {k: stand_in(t) for k, t in s.items()} for i, s in optimizer_state(anchor, where).items()}
+        stand_ins = {n: stand_in(t) for n, t in anchor.items() if n.startswith("optimizer/")}
+        self.state = join_state(stand_ins, optimizer, [], len(schema.params), where)["state"]
         self.param_groups = param_groups
         self.optimizer: torch.optim.Optimizer | None = None
 
@@ -271,7 +278,7 @@ class ProxyReplayer:
             finally:
                 for p in self.params:
                     p.grad = None
-            live_optimizer_tensors(self.optimizer)  # what replay's result takes: tensors only (spec §12)
+            live_optimizer_state(self.optimizer)  # what replay's result takes must be storable (spec §8.2)
         self.param_groups = entry.param_groups
 
     def copy(self) -> ProxyReplayer:

@@ -5,7 +5,8 @@ buffers), the full optimizer state (per-parameter tensors and the param groups) 
 extra state. Stored tensor names are::
 
     model/<state_dict key>          one entry per storage; tied keys are aliases
-    optimizer/<param index>/<key>   per-parameter optimizer state, in optimizer order
+    optimizer/<param index>/<key>   per-parameter optimizer state tensors, in optimizer order
+    optimizer/ref/<location>        tensors inside the optimizer structure (spec §8.2)
     compressor/<parameter name>     top-k error-feedback residuals of rank 0 (anchors only)
     compressor@<r>/<parameter name> the residuals of rank r >= 1 (data-parallel lowdiff)
 """
@@ -138,33 +139,12 @@ def encode_param_groups(optimizer: torch.optim.Optimizer, *, with_params: bool) 
         for k, v in group.items():
             if k == "params":
                 continue
-            if isinstance(v, torch.Tensor):
-                raise UnsupportedStateError(
-                    f"param group {i} has a tensor-valued {k!r}; format 1.x refuses tensor "
-                    "hyperparameters (use a Python float)"
-                )
-            body[k] = v
+            body[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v  # tensors inline (spec §6.1)
         n = len(group["params"])
         if with_params:
             body["params"] = list(range(index, index + n))
         index += n
         out.append(encode(body, f"param_groups[{i}]"))
-    return out
-
-
-def live_optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """``optimizer/<index>/<key>`` -> live tensor for every per-parameter state entry."""
-    out = {}
-    for i, p in enumerate(optimizer_params(optimizer)):
-        for key, value in optimizer.state.get(p, {}).items():
-            if value is None:
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise UnsupportedStateError(
-                    f"optimizer state {key!r} of parameter {i} is a {type(value).__name__}; "
-                    "format 1.x stores tensor optimizer state only"
-                )
-            out[f"optimizer/{i}/{key}"] = value.detach()
     return out
 
 

@@ -32,6 +32,7 @@ from .checks import (
 from .errors import ChainError, CorruptChainError, LdformatError, NotAChainError
 from .jsonvalue import JSONObject, crc32c_hex
 from .log import ROOT_FILE, log_path, log_sequence_numbers
+from .optstate import check_structure
 from .reader import ChainReader, open_store
 from .replay import ProxyReplayer, stand_in
 from .state import ParamGroup, bits_view
@@ -305,7 +306,7 @@ class _Validation:
         if self.rules is None:  # state.xor: the tensors' names, dtypes and shapes
             return dict(self.metas[anchor])
         where = f"{self.reader.path}/{entry.object.path}"
-        return ProxyReplayer(schema, self.rules, self.roots[anchor], entry.param_groups, where)
+        return ProxyReplayer(schema, self.rules, self.roots[anchor], entry.param_groups, where, entry.optimizer)
 
     @staticmethod
     def copy(current: _Walker) -> _Walker:
@@ -329,6 +330,8 @@ class _Validation:
                     del current[name]
                 for slot in added:
                     current[slot.name] = (slot.dtype, slot.shape)
+                if self.schema is not None:
+                    check_structure(e.optimizer, current, len(self.schema.params), where)
         except Exception as err:
             _reraise_unless_problem(err)
             later = self.dependents(step)

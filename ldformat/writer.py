@@ -40,7 +40,7 @@ from .errors import (
     UsageError,
     WriterIOError,
 )
-from .jsonvalue import encode, object_checksum, object_checksum_parts
+from .jsonvalue import JSON, encode, object_checksum, object_checksum_parts
 from .log import (
     ROOT_FILE,
     WriterLock,
@@ -65,12 +65,12 @@ from .manifest import (
     SlotInfo,
     StepEntry,
 )
+from .optstate import live_optimizer_state
 from .reader import ChainReader, chain_name, open_store
 from .state import (
     check_schema_matches,
     encode_param_groups,
     live_model_tensors,
-    live_optimizer_tensors,
     model_schema,
     optimizer_class_name,
     optimizer_param_names,
@@ -305,8 +305,7 @@ class ChainWriter:
             elif root.kind == "state.xor":
                 # The XOR base is what the chain holds, so deltas stay exact even if the live
                 # state was not reloaded.
-                latest = ChainReader(path, store=store).materialize(state.latest_step)
-                writer._set_xor_base(latest)
+                writer._set_xor_base(ChainReader(path, store=store).stored_tensors(state.latest_step))
         except BaseException:
             writer.abort()
             raise
@@ -356,11 +355,17 @@ class ChainWriter:
         """Copies of the model's buffers (``model/<key>``): the optimizer never touches them."""
         return capture_tensors(live_buffers(self.model, self._buffers))
 
+    def live_state(self) -> tuple[dict[str, torch.Tensor], JSON]:
+        """Every state tensor under its stored name (live objects, not copies) and the
+        optimizer structure (spec §8.2; encoded, so later changes do not reach it)."""
+        tensors = live_model_tensors(self.model, self.root.schema["model"])
+        optimizer_tensors, structure = live_optimizer_state(self.optimizer)
+        tensors.update(optimizer_tensors)
+        return tensors, structure
+
     def live_state_tensors(self) -> dict[str, torch.Tensor]:
         """Every state tensor under its stored name (live objects, not copies)."""
-        tensors = live_model_tensors(self.model, self.root.schema["model"])
-        tensors.update(live_optimizer_tensors(self.optimizer))
-        return tensors
+        return self.live_state()[0]
 
     def record_step(self, step: int, extra: dict[str, Any] | None = None) -> None:
         """Record step ``step``; the live objects must hold the state after it.
@@ -381,12 +386,16 @@ class ChainWriter:
                 "last record_step; call record_step after every optimizer step"
             )
         hyper, grads = self._captured if self._captured is not None else (None, {})
+        anchor = self.anchor_every is not None and step % self.anchor_every == 0
+        anchor_tensors, structure = None, None
         if self.kind.startswith("grad."):
             tensors = {**grads, **self.capture_buffers()}
+            if anchor:
+                anchor_tensors, structure = self.snapshot_anchor()
         else:
             hyper = None
-            tensors = capture_tensors(self.live_state_tensors())
-        anchor = self.anchor_every is not None and step % self.anchor_every == 0
+            live, structure = self.live_state()
+            tensors = capture_tensors(live)
         captured = CapturedStep(
             step=step,
             stepped=self._captured is not None,
@@ -394,20 +403,27 @@ class ChainWriter:
             param_groups=encode_param_groups(self.optimizer, with_params=True),
             extra=encode(extra or {}, "extra"),
             tensors=tensors,
-            anchor_tensors=self.snapshot_anchor_tensors() if anchor and self.kind.startswith("grad.") else None,
+            anchor_tensors=anchor_tensors,
             anchor=anchor,
+            optimizer=structure,
         )
         self._captured = None
         self._captures_since_record = 0
         self.append(captured)
 
-    def snapshot_anchor_tensors(self) -> dict[str, torch.Tensor]:
-        """CPU copies of the whole live state, plus top-k residuals, for an anchor."""
-        tensors = {n: t.to("cpu", copy=True).contiguous() for n, t in self.live_state_tensors().items()}
+    def snapshot_anchor(self) -> tuple[dict[str, torch.Tensor], JSON]:
+        """CPU copies of the whole live state, plus top-k residuals, for an anchor; and the
+        optimizer structure (spec §8.2)."""
+        live, structure = self.live_state()
+        tensors = {n: t.to("cpu", copy=True).contiguous() for n, t in live.items()}
         if self.compressor is not None:
             for name, r in self.compressor.state_dict().items():
                 tensors[f"compressor/{name}"] = r.to("cpu", copy=True).contiguous()
-        return tensors
+        return tensors, structure
+
+    def snapshot_anchor_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of :meth:`snapshot_anchor`."""
+        return self.snapshot_anchor()[0]
 
     @property
     def anchors(self) -> list[int]:
@@ -443,6 +459,7 @@ class ChainWriter:
             hyper=captured.hyper,
             param_groups=captured.param_groups,
             extra=captured.extra,
+            optimizer=captured.optimizer if xor else None,
         )
         try:
             self._batch.start_row()
@@ -465,7 +482,7 @@ class ChainWriter:
                 if self.kind != "state.xor":
                     raise UsageError(f"{self.path}: an anchor at step {step} needs anchor_tensors")
                 tensors = {n: ct.to_tensor() for n, ct in captured.tensors.items()}
-            self._write_anchor_object(step, tensors, captured.param_groups, captured.extra)
+            self._write_anchor_object(step, tensors, captured.param_groups, captured.extra, captured.optimizer)
             self.commit()
         elif (self._batch.rows >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes
               or (self._batch.rows + 1) * max(1, len(self._slots)) > MAX_COUNTS):  # spec §10.5 bound
@@ -501,16 +518,10 @@ class ChainWriter:
         if self.kind == "state.xor":
             self._xor_base = {n: tensor_bits(t.to("cpu", copy=True)) for n, t in self.live_state_tensors().items()}
 
-    def _set_xor_base(self, materialized: dict[str, Any]) -> None:
-        base = {}
-        model_sd = materialized["model"]
-        for e in self.root.schema["model"]:
-            if e["alias_of"] is None:
-                base[f"model/{e['name']}"] = tensor_bits(model_sd[e["name"]].clone())
-        for i, st in materialized["optimizer"]["state"].items():
-            for key, t in st.items():
-                base[f"optimizer/{i}/{key}"] = tensor_bits(t.clone())
-        self._xor_base = base
+    def _set_xor_base(self, stored: dict[str, torch.Tensor]) -> None:
+        """The XOR base from the chain's own tensors (by their stored names) at its latest step."""
+        self._xor_base = {n: tensor_bits(t.detach().clone()) for n, t in stored.items()
+                          if n.startswith(("model/", "optimizer/"))}
 
     # -- anchors and commits -------------------------------------------------------------
     def write_anchor(self, step: int) -> int | None:
@@ -522,10 +533,12 @@ class ChainWriter:
                 "anchors can only be written for the last recorded step"
             )
         groups = encode_param_groups(self.optimizer, with_params=True)
-        self._write_anchor_object(step, self.snapshot_anchor_tensors(), groups, self._last_extra)
+        tensors, structure = self.snapshot_anchor()
+        self._write_anchor_object(step, tensors, groups, self._last_extra, structure)
         return self.commit()
 
-    def _write_anchor_object(self, step: int, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any) -> None:
+    def _write_anchor_object(self, step: int, tensors: dict[str, torch.Tensor], param_groups: Any, extra: Any,
+                             optimizer: JSON) -> None:
         path = anchor_object_path(step)
         anchor = anchor_parts(tensors, step)  # streamed: the object is never joined in memory
         parts = anchor.parts
@@ -538,6 +551,7 @@ class ChainWriter:
                 object=ObjectRef(path=path, size=anchor.size, crc32c=crc32c),
                 param_groups=param_groups,
                 extra=extra,
+                optimizer=optimizer,
             )
         )
 
@@ -728,11 +742,12 @@ def build_schema(
     if kind.startswith("grad.") and not replayable:
         raise UnsupportedStateError(
             f"kind {kind!r} replays the optimizer, and {class_name} is not a torch.optim class; "
-            "use kind='state.xor' for custom optimizers"
+            "use mode='xor' (Checkpointer) or kind='state.xor' (ChainWriter) for other optimizers"
         )
     if kind.startswith("grad.") and isinstance(optimizer, torch.optim.LBFGS):
-        raise UnsupportedStateError("LBFGS needs a closure to step, which replay cannot re-run; use kind='state.xor'")
-    encode_param_groups(optimizer, with_params=False)  # refuses tensor hyperparameters early
+        raise UnsupportedStateError("LBFGS needs a closure to step, which replay cannot re-run; "
+                                    "use mode='xor' (Checkpointer) or kind='state.xor' (ChainWriter)")
+    encode_param_groups(optimizer, with_params=False)  # refuses hyperparameters JSON cannot hold, early
     return {
         "model": model_schema(model),
         "optimizer": {

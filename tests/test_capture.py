@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ldformat
 from ldformat import ChainReader, LdformatError, ResumableSampler
 from ldformat.capture.hooks import open_at_exit as _open_checkpointers
+from ldformat.state import bits_view
 from ldformat.stores import LocalStore
 
 HERE = Path(__file__).resolve().parent
@@ -707,3 +708,87 @@ def test_exit_without_close_still_commits(trainer: Trainer, how: str) -> None:
     assert ChainReader(chain).latest_step == ct.ATEXIT_STEPS, trainer.output()
     assert_chain_matches_dumps(chain, dumps, f"exit ({how}) without close")
     assert not (chain / "writer.lock").exists()
+
+
+def test_default_mode_never_changes_training(tmp_path: Path) -> None:
+    """20 steps with ``Checkpointer`` and no mode: bitwise the run without it (the default is lossless)."""
+    def run(path: Path | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.ReLU(),
+                                    torch.nn.Linear(16, 4))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ck = ldformat.Checkpointer(path, model, optimizer) if path is not None else None
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(20):
+            x = torch.randn(32, 8, generator=gen)
+            y = torch.randn(32, 4, generator=gen)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        if ck is not None:
+            assert ck.mode == "xor"
+            ck.close()
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain = run(None)
+    checkpointed = run(tmp_path / "chain")
+    for name, t in plain.items():
+        assert torch.equal(bits_view(t), bits_view(checkpointed[name])), name
+    assert ldformat.ChainReader(tmp_path / "chain").latest_step == 20
+
+
+def test_step_with_later_steps_needs_truncate(tmp_path: Path) -> None:
+    """``Checkpointer(step=)`` on a chain with later steps refuses before writing anything."""
+    path = tmp_path / "chain"
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = ldformat.Checkpointer(path, model, optimizer, batch_steps=1)
+    for _ in range(4):
+        optimizer.zero_grad()
+        model(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+    ck.close()
+    ldformat.resume(path, model, optimizer, step=2)
+    before = sorted(p.relative_to(path).as_posix() for p in path.rglob("*"))
+    with pytest.raises(ldformat.UsageError, match="truncate=True"):
+        ldformat.Checkpointer(path, model, optimizer, step=2)
+    assert sorted(p.relative_to(path).as_posix() for p in path.rglob("*")) == before
+    assert ldformat.ChainReader(path).steps == [0, 1, 2, 3, 4]
+    ldformat.Checkpointer(path, model, optimizer, step=2, truncate=True).close()
+    assert ldformat.ChainReader(path).steps == [0, 1, 2]
+
+
+def test_wrapped_objects_are_unwrapped(tmp_path: Path) -> None:
+    """``torch.compile``-style and accelerate-style wrappers: stored names carry no prefix and
+    the hooks fire on the optimizer that steps."""
+    from torch.nn.parallel import DistributedDataParallel  # noqa: F401  (the type unwrap_model knows)
+
+    class Wrapper(torch.optim.Optimizer):  # the shape of accelerate's AcceleratedOptimizer
+        def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+            self.optimizer = optimizer
+
+        @property  # type: ignore[override]
+        def param_groups(self) -> Any:
+            return self.optimizer.param_groups
+
+        @property  # type: ignore[override]
+        def state(self) -> Any:
+            return self.optimizer.state
+
+        def step(self, closure: Any = None) -> Any:  # bypasses the wrapper's own hooks
+            return self.optimizer.step(closure)
+
+    inner = torch.nn.Linear(4, 2)
+    compiled = torch.nn.Module()
+    compiled._orig_mod = inner  # what torch.compile's OptimizedModule holds
+    optimizer = Wrapper(torch.optim.Adam(inner.parameters(), lr=0.1))
+    ck = ldformat.Checkpointer(tmp_path / "chain", compiled, optimizer, batch_steps=1)
+    for _ in range(3):
+        optimizer.optimizer.zero_grad()
+        inner(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+    ck.close()
+    state = ldformat.ChainReader(tmp_path / "chain").materialize()
+    assert state["step"] == 3
+    assert sorted(state["model"]) == ["bias", "weight"]
+    assert torch.equal(bits_view(state["model"]["weight"]), bits_view(inner.weight.detach()))

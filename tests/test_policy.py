@@ -399,8 +399,9 @@ def test_adaptive_loop_on_slow_disk(tmp_path: Path, caplog: pytest.LogCaptureFix
     assert reader.steps == list(range(steps + 1))
     latest = reader.materialize(steps)
     assert latest["extra"]["policy"] == {"anchor_every": ck.anchor_every, "batch_steps": ck.batch_steps,
-                                         "inputs": ck.stats.policy["inputs"]}
-    assert reader.materialize(1)["extra"]["policy"] == {"anchor_every": 100, "batch_steps": 4}  # the defaults
+                                         "max_lost_s": 60.0, "inputs": ck.stats.policy["inputs"]}
+    assert reader.materialize(1)["extra"]["policy"] == {"anchor_every": 100, "batch_steps": 4,  # the defaults
+                                                        "max_lost_s": 60.0}
     assert max(e.rows for e in reader.state.delta_entries()) > 4  # batches grew past the default
 
     # And the chain is still exact.
@@ -432,3 +433,31 @@ def test_policy_choice_is_visible_in_ldtools_info(tmp_path: Path) -> None:
     assert set(policy["inputs"]) >= {"step_time_s", "anchor_write_s", "replay_step_s", "commit_s", "mtbf_s"}
     text = CliRunner().invoke(cli, ["info", str(path)]).output
     assert f"anchor_every={ck.anchor_every}" in text and "MTBF 24.0h" in text
+
+
+def test_max_lost_s_bounds_the_automatic_batch(tmp_path: Path) -> None:
+    """However long the MTBF and slow the commits, an automatic batch never holds more than
+    ``max_lost_s`` seconds of measured steps, even after the stall tuner widens it."""
+    from ldformat.capture.tuning import CaptureStats, Tuning
+
+    class Writer:
+        path = "chain"
+        batch_steps = 4
+        last_commit_seconds = 5.0  # a slow store: the model wants huge batches
+
+        def live_state_tensors(self) -> dict[str, torch.Tensor]:
+            return {"model/w": torch.zeros(10)}
+
+    stats = CaptureStats()
+    tuning = Tuning("auto", "auto", stats=stats, max_stall=0.0, mtbf_s=1e9, max_batch_bytes=1 << 40, max_lost_s=3.0)
+    writer = Writer()
+    for _ in range(40):
+        stats.step_times.append(0.5)
+        stats.optimizer_times.append(0.01)
+        stats.stall_s += 0.1  # far above max_stall: the tuner widens every window
+        tuning.after_step(writer, 1)  # type: ignore[arg-type]
+    assert optimal_batch_steps(PolicyInputs(**stats.policy["inputs"])) > 6  # what the model alone picks
+    assert tuning.batch_steps == writer.batch_steps == 6  # 3 s / 0.5 s per step
+    assert tuning.extra()["max_lost_s"] == 3.0
+    with pytest.raises(ldformat.UsageError, match="max_lost_s"):
+        Tuning("auto", "auto", stats=CaptureStats(), max_stall=0.1, mtbf_s=1.0, max_batch_bytes=1, max_lost_s=0)

@@ -8,6 +8,7 @@ chain's own replay of the last step written. Anchors are the replica's tensors, 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -25,9 +26,10 @@ class Replica:
     def __init__(self, writer: ChainWriter, optimizer: torch.optim.Optimizer) -> None:
         self._root = writer.root
         self._where = writer.path
-        tensors = {n: t.clone() for n, t in writer.snapshot_anchor_tensors().items()
-                   if not n.startswith("compressor/")}
-        self._replayer = Replayer(self._root, tensors, encode_param_groups(optimizer, with_params=True), {})
+        snapshot, structure = writer.snapshot_anchor()
+        tensors = {n: t.clone() for n, t in snapshot.items() if not n.startswith("compressor/")}
+        self._replayer = Replayer(self._root, tensors, encode_param_groups(optimizer, with_params=True), {},
+                                  optimizer=structure)
 
     def apply(self, captured: CapturedStep) -> CapturedStep:
         """Step the replica with ``captured``; at an anchor step the anchor becomes the replica's state.
@@ -43,10 +45,11 @@ class Replica:
         self._replayer.apply_grad_step(entry, row, slots, f"{self._where} replica (step {captured.step})")
         if captured.anchor and captured.anchor_tensors is not None:
             self._replayer = Replayer(self._root, {n: t.clone() for n, t in captured.anchor_tensors.items()},
-                                      captured.param_groups, captured.extra)
+                                      captured.param_groups, captured.extra, optimizer=captured.optimizer)
         elif captured.anchor:
             self._replayer.sync_optimizer_tensors()
-            return replace(captured, anchor_tensors={n: t.detach() for n, t in self._replayer.tensors.items()})
+            return replace(captured, anchor_tensors={n: t.detach() for n, t in self._replayer.tensors.items()},
+                           optimizer=self._replayer.optimizer_structure)
         return captured
 
     def load_into(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -55,7 +58,4 @@ class Replica:
         model.load_state_dict(state["model"])
         # Optimizer.load_state_dict keeps the tensors it is given: hand it copies, or the
         # live optimizer and the replica would share (and both step) the same state.
-        optimizer.load_state_dict({
-            "state": {i: {k: v.clone() for k, v in st.items()} for i, st in state["optimizer"]["state"].items()},
-            "param_groups": state["optimizer"]["param_groups"],
-        })
+        optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))

@@ -26,6 +26,7 @@ from ..topk import TopK
 from ..writer import ChainWriter
 from .extra import Stateful
 from .rng import restore_rng
+from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 log = logging.getLogger("ldformat.capture")
 
@@ -130,6 +131,7 @@ def resume(
     elif step not in reader.steps:
         raise StepNotFoundError(f"{path}: step {step} is not in the chain")
     state = reader.materialize(step)
+    model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     extra = state["extra"]
@@ -204,6 +206,7 @@ def open_writer(
     step: int | None,
     compressor: TopK | None,
     batch_steps: int,
+    truncate: bool = False,
     store: Store | None,
     first_extra: Callable[[], dict[str, object]],
     storage_options: dict[str, Any] | None = None,
@@ -212,7 +215,8 @@ def open_writer(
 
     Creates the chain (its first anchor is the live state at ``step or 0``, with
     ``first_extra()`` as extra state), or re-opens it: the chain must have ``kind`` (the
-    one ``mode`` writes); steps after ``step`` are truncated; ``compressor`` receives the
+    one ``mode`` writes); steps after ``step`` are truncated with ``truncate`` and refused
+    without it; ``compressor`` receives the
     residuals of ``step``'s anchor, or restarts from zero (with a warning) when the step
     holds none.
     """
@@ -228,10 +232,16 @@ def open_writer(
     if latest is not None and target is not None and target != latest:
         if target not in reader.steps:
             raise UsageError(f"{path}: step {target} is not in the chain; resume from one of its steps")
-        from ..compact import truncate
+        later = [s for s in reader.steps if s > target]
+        if not truncate:
+            raise UsageError(
+                f"{path}: the chain has {len(later)} step(s) after step {target} (up to {latest}); pass "
+                f"truncate=True to delete them and continue from step {target}, or resume from step {latest}"
+            )
+        from ..compact import truncate as truncate_chain
 
-        log.warning("%s: truncating steps after %d: training resumes from there", path, target)
-        truncate(path, target, store=store)
+        log.warning("%s: truncating %d step(s) after %d: training resumes from there", path, len(later), target)
+        truncate_chain(path, target, store=store)
     if compressor is not None and target is not None:
         tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
         residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}

@@ -55,7 +55,8 @@ from .replica import Replica
 from .resume import open_writer
 from .rng import capture_rng
 from .staging import BufferPool, BufferSet, Stager
-from .tuning import CaptureStats, Interval, Tuning
+from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning
+from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -64,6 +65,9 @@ log = logging.getLogger("ldformat.capture")
 
 Mode = Literal["lowdiff", "lowdiff+", "xor"]
 MODES: dict[Mode, Kind] = {"lowdiff": "grad.topk", "lowdiff+": "grad.dense", "xor": "state.xor"}
+DEFAULT_MODE: Mode = "xor"
+"""The mode without a ``mode=`` argument: lossless, exact in any environment, any optimizer
+(docs/capture-runtime.md "The default mode" gives the measurements behind the choice)."""
 
 
 @dataclass
@@ -77,6 +81,7 @@ class _Pending:
     tensors: dict[str, CapturedTensor] = field(default_factory=dict)
     rng: dict[str, Any] | None = None
     data: dict[str, Any] | None = None
+    optimizer: JSON = None  # xor: the optimizer structure after the step (spec §8.2)
     post_done: bool = False
     pre_end: float = 0.0
 
@@ -88,10 +93,18 @@ class Checkpointer:
         path: the chain directory (created, or re-opened to append), or a URL
             (``s3://bucket/prefix``, ``gs://``, ``az://``, ``memory://name``, ...; see
             :func:`ldformat.stores.open_store`).
-        model, optimizer: the live training objects.
-        mode: ``"lowdiff"`` (top-k compressed gradients, kind ``grad.topk``), ``"lowdiff+"``
-            (dense gradients staged during backward plus a CPU replica, ``grad.dense``) or
-            ``"xor"`` (bitwise state deltas, ``state.xor``).
+        model, optimizer: the live training objects; wrappers are unwrapped (DDP,
+            ``torch.compile``, accelerate's ``AcceleratedOptimizer``/``AcceleratedScheduler``,
+            Lightning's ``LightningOptimizer``), so stored names carry no ``module.`` or
+            ``_orig_mod.`` prefix.
+        mode: ``"xor"`` (the default: bitwise state deltas, kind ``state.xor``; lossless,
+            exact in any environment, any optimizer), ``"lowdiff+"`` (dense gradients
+            staged during backward plus a CPU replica, ``grad.dense``; lossless, smaller and
+            cheaper, but exact only when replayed in the recorded environment, and
+            ``torch.optim`` classes only) or ``"lowdiff"`` (top-k compressed gradients,
+            ``grad.topk``): **lowdiff changes training** (the optimizer consumes the
+            compressed gradient) unless the training already compresses its gradients,
+            e.g. with the DDP top-k hook (``compressor=``, ``compress=False``).
         scheduler, scaler: an LR scheduler and a GradScaler whose state is captured (their
             ``step``/``update`` methods are wrapped while the checkpointer is open).
         data: the data position: any object with ``state_dict``/``load_state_dict``
@@ -106,6 +119,9 @@ class Checkpointer:
             the compressor's indices.
         max_stall: bound on the measured stall fraction the adaptive tuner keeps.
         mtbf_hours: mean time between failures, for the policy.
+        max_lost_s: an automatic ``batch_steps`` never puts more than this many seconds of
+            measured training at risk (the steps of an uncommitted batch), whatever the
+            wasted-time model or the stall tuner would choose. Shown by ``ldtools info``.
         queue_depth: steps that may wait for the background writer before training blocks.
         max_batch_bytes: a batch is committed early once its captured steps hold this much.
         stage_during_backward: ``lowdiff+`` copies each gradient to host memory as soon as
@@ -114,7 +130,10 @@ class Checkpointer:
             once at ``optimizer.step()`` instead (clipping or accumulation would otherwise
             make it copy twice).
         step: the step the live state is at when re-opening a chain (default: the chain's
-            latest step). Steps after it are truncated, since training will redo them.
+            latest step). A chain with steps after it is refused unless ``truncate=True``.
+        truncate: with ``step=``, delete the chain's steps after ``step`` (training will
+            redo them). Without it, such a chain raises :class:`UsageError` before anything
+            is written.
         extra: the user's own JSON-able dict, recorded as ``extra.user`` with every step.
         store: a :class:`Store` to write to instead of the directory ``path``.
         storage_options: settings of the object store at the URL ``path``, overriding its
@@ -148,7 +167,7 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        mode: Mode = "lowdiff",
+        mode: Mode = DEFAULT_MODE,
         scheduler: Stateful | None = None,
         scaler: torch.amp.GradScaler | None = None,
         data: Stateful | None = None,
@@ -160,10 +179,12 @@ class Checkpointer:
         compress: bool = True,
         max_stall: float = 0.035,
         mtbf_hours: float = 24.0,
+        max_lost_s: float = DEFAULT_MAX_LOST_S,
         queue_depth: int = 2,
         max_batch_bytes: int = 1 << 30,
         stage_during_backward: bool | None = None,
         step: int | None = None,
+        truncate: bool = False,
         extra: dict[str, object] | None = None,
         store: Store | None = None,
         process_group: dist.ProcessGroup | None = None,
@@ -178,6 +199,9 @@ class Checkpointer:
             raise UsageError(f"mode {mode!r} takes no compressor; use mode='lowdiff' with a TopK compressor")
         if queue_depth < 1:
             raise UsageError("queue_depth must be >= 1")
+        model = unwrap_model(model)
+        optimizer = unwrap_optimizer(optimizer)
+        scheduler = unwrap_scheduler(scheduler)
         self.path = str(path)
         self.mode = mode
         self.kind = MODES[mode]
@@ -201,7 +225,7 @@ class Checkpointer:
         self.max_batch_bytes = max_batch_bytes
         self.stats = CaptureStats()
         self.tuning = Tuning(anchor_every, batch_steps, stats=self.stats, max_stall=max_stall,
-                             mtbf_s=mtbf_hours * 3600.0, max_batch_bytes=max_batch_bytes)
+                             mtbf_s=mtbf_hours * 3600.0, max_batch_bytes=max_batch_bytes, max_lost_s=max_lost_s)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -213,7 +237,7 @@ class Checkpointer:
         self._last_step_bytes = 0
 
         started = time.perf_counter()
-        self.writer = open_writer(self.path, model, optimizer, kind=self.kind, mode=mode, step=step,
+        self.writer = open_writer(self.path, model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
                                   compressor=self.compressor, batch_steps=self.batch_steps, store=store,
                                   first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
                                   storage_options=storage_options)
@@ -347,8 +371,10 @@ class Checkpointer:
 
     def _capture_after_step(self, pending: _Pending) -> None:
         """Buffers (or the whole state for xor), RNG and data position: final after the step."""
-        live = (self.writer.live_state_tensors() if self.mode == "xor"
-                else live_buffers(self.model, self._buffer_names))
+        if self.mode == "xor":
+            live, pending.optimizer = self.writer.live_state()
+        else:
+            live = live_buffers(self.model, self._buffer_names)
         pending.tensors.update(capture_tensors(live, self._stage_copy(pending.buffers)))
         pending.rng = capture_rng()
         pending.data = self._data_state()
@@ -406,9 +432,9 @@ class Checkpointer:
                        and state_keys != self._state_keys)
         self._state_keys = state_keys
         anchor = anchor or live_anchor
-        anchor_tensors = None
+        anchor_tensors, structure = None, pending.optimizer
         if anchor and (self.mode == "lowdiff" or live_anchor):
-            anchor_tensors = self.writer.snapshot_anchor_tensors()
+            anchor_tensors, structure = self.writer.snapshot_anchor()
             if self.world_size > 1 and self.compressor is not None:
                 anchor_tensors.update(peer_residual_tensors(self.compressor, self._param_names, self.process_group))
         captured = CapturedStep(
@@ -420,6 +446,7 @@ class Checkpointer:
             tensors=pending.tensors,
             anchor=anchor,
             anchor_tensors=anchor_tensors,
+            optimizer=structure,
             owned=False,
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())

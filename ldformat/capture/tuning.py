@@ -31,6 +31,7 @@ ASSUMED_ANCHOR_BYTES_PER_S = 200e6  # anchor write speed until one is measured (
 ASSUMED_COMMIT_S = 0.005  # commit cost until one is measured
 MEDIAN_OF_STEPS = 50  # the policy reads medians over this many of the latest steps
 MAX_AUTO_BATCH_STEPS = 256
+DEFAULT_MAX_LOST_S = 60.0  # seconds of training an automatic batch_steps may put at risk
 
 Interval = int | Literal["auto"]
 
@@ -98,10 +99,15 @@ class Tuning:
         max_stall: the stall fraction the adaptive tuner keeps.
         mtbf_s: mean time between failures, in seconds.
         max_batch_bytes: an automatic ``batch_steps`` keeps a batch's captured bytes under it.
+        max_lost_s: an automatic ``batch_steps`` keeps the training at risk in a crash (the
+            uncommitted batch) under this many seconds of measured step time, whatever the
+            wasted-time model or the stall tuner would choose.
     """
 
     def __init__(self, anchor_every: Interval, batch_steps: Interval, *, stats: CaptureStats, max_stall: float,
-                 mtbf_s: float, max_batch_bytes: int) -> None:
+                 mtbf_s: float, max_batch_bytes: int, max_lost_s: float = DEFAULT_MAX_LOST_S) -> None:
+        if not max_lost_s > 0:
+            raise UsageError(f"max_lost_s must be a positive number of seconds, got {max_lost_s!r}")
         self.auto_anchor = anchor_every == "auto"
         self.auto_batch = batch_steps == "auto"
         self.anchor_every = DEFAULT_ANCHOR_EVERY if self.auto_anchor else positive_interval(anchor_every,
@@ -111,13 +117,16 @@ class Tuning:
         self.tuner = AdaptiveTuner(max_stall=max_stall)
         self.mtbf_s = mtbf_s
         self.max_batch_bytes = max_batch_bytes
+        self.max_lost_s = max_lost_s
+        self._step_time_s: float | None = None
         self.anchor_write_s: float | None = None  # the latest anchor write (and commit), once measured
         self._chosen = False
         self._stall_accounted = 0.0
 
     def extra(self) -> dict[str, object]:
         """The ``policy`` entry of a step's extra state (spec §19.1)."""
-        policy: dict[str, object] = {"anchor_every": self.anchor_every, "batch_steps": self.batch_steps}
+        policy: dict[str, object] = {"anchor_every": self.anchor_every, "batch_steps": self.batch_steps,
+                                     "max_lost_s": self.max_lost_s}
         inputs = self.stats.policy.get("inputs")
         if isinstance(inputs, dict):  # the measurements the wasted-time model used
             policy["inputs"] = dict(inputs)
@@ -158,7 +167,8 @@ class Tuning:
         if self.auto_anchor:
             self.anchor_every = optimal_anchor_every(inputs)
         if self.auto_batch:
-            upper = max(1, min(MAX_AUTO_BATCH_STEPS, self.max_batch_bytes // (step_bytes or 1)))
+            self._step_time_s = inputs.step_time_s
+            upper = max(1, min(MAX_AUTO_BATCH_STEPS, self.max_batch_bytes // (step_bytes or 1), self._lost_bound()))
             self.batch_steps = optimal_batch_steps(inputs, upper=upper)
             writer.batch_steps = self.batch_steps
         self.stats.policy = {"inputs": inputs.to_dict(), "anchor_every": self.anchor_every,
@@ -169,12 +179,19 @@ class Tuning:
             inputs.step_time_s, inputs.anchor_write_s, inputs.replay_step_s, inputs.commit_s,
             inputs.mtbf_s / 3600)
 
+    def _lost_bound(self) -> int:
+        """The most steps a batch may hold within ``max_lost_s`` of measured step time."""
+        if not self._step_time_s:
+            return MAX_AUTO_BATCH_STEPS
+        return max(1, int(self.max_lost_s / self._step_time_s))
+
     def _widen_on_stall(self, writer: ChainWriter) -> None:
         anchor_every, batch_steps, fraction = self.tuner.adjust(self.anchor_every, self.batch_steps)
         self.stats.policy["last_stall_fraction"] = fraction
         # Explicit values are kept (ranks of data-parallel lowdiff rely on anchor_every).
         anchor_every = anchor_every if self.auto_anchor else self.anchor_every
-        batch_steps = batch_steps if self.auto_batch else self.batch_steps
+        batch_steps = min(batch_steps, max(self.batch_steps, self._lost_bound())) if self.auto_batch \
+            else self.batch_steps
         if (anchor_every, batch_steps) != (self.anchor_every, self.batch_steps):
             log.info("ldformat: stall %.1f%% > %.1f%%: anchor_every %d -> %d, batch_steps %d -> %d",
                      100 * fraction, 100 * self.tuner.max_stall, self.anchor_every, anchor_every,

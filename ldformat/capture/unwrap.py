@@ -1,0 +1,66 @@
+"""Unwrapping what frameworks wrap training objects in (docs/capture-runtime.md "Wrapped objects").
+
+accelerate's ``AcceleratedOptimizer`` and ``AcceleratedScheduler``, Lightning's
+``LightningOptimizer``, DDP/``DataParallel`` and ``torch.compile`` all wrap the object that
+holds the state. The checkpointer needs the object underneath: its hooks must fire on the
+optimizer that really steps (``AcceleratedOptimizer.step`` bypasses the wrapper's own step
+hooks), and the stored names must be those of the unwrapped model, without ``module.`` or
+``_orig_mod.`` prefixes, so that the outputs load into a plain model.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+# Attributes under which known wrappers keep the wrapped object, in the order tried.
+_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")  # accelerate, Lightning
+_SCHEDULER_ATTRS = ("scheduler",)  # accelerate
+_MODEL_WRAPPERS: tuple[type[torch.nn.Module], ...] = (
+    torch.nn.parallel.DistributedDataParallel,
+    torch.nn.DataParallel,
+)
+
+
+def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The innermost ``torch.optim.Optimizer`` under wrapper optimizers."""
+    return _unwrap(optimizer, _OPTIMIZER_ATTRS, torch.optim.Optimizer)
+
+
+def unwrap_scheduler(scheduler: T) -> T:
+    """The scheduler under accelerate's ``AcceleratedScheduler`` (any other object as is)."""
+    seen = {id(scheduler)}
+    while True:
+        inner = getattr(scheduler, "scheduler", None) if type(scheduler).__name__ == "AcceleratedScheduler" else None
+        if inner is None or id(inner) in seen:
+            return scheduler
+        seen.add(id(inner))
+        scheduler = inner
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP, ``DataParallel`` and ``torch.compile`` wrappers."""
+    seen = {id(model)}
+    while True:
+        inner: object
+        if isinstance(model, _MODEL_WRAPPERS):
+            inner = model.module
+        else:
+            inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+        if not isinstance(inner, torch.nn.Module) or id(inner) in seen:
+            return model
+        seen.add(id(inner))
+        model = inner
+
+
+def _unwrap(obj: T, attrs: tuple[str, ...], kind: type) -> T:
+    seen = {id(obj)}
+    while True:
+        inner = next((getattr(obj, a) for a in attrs if isinstance(getattr(obj, a, None), kind)), None)
+        if inner is None or id(inner) in seen:
+            return obj
+        seen.add(id(inner))
+        obj = inner

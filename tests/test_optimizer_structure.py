@@ -1,0 +1,160 @@
+"""The optimizer's ``state_dict()`` round trip is structurally exact (spec §8.2): Python values,
+``None``, empty per-parameter states, global state, extra top-level entries, tensors nested in
+containers, tensor and dtype hyperparameters."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ldformat
+from ldformat.state import bits_view
+
+
+class Quirky(torch.optim.Optimizer):
+    """An optimizer whose state holds everything optimizers are seen to keep."""
+
+    def __init__(self, params: Any, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "betas": (0.9, 0.99), "scale": torch.tensor(0.5),
+                                  "dtype": torch.float32, "flag": True, "name": "q"})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        self.state["k"] = self.state.get("k", 0) + 1  # global, not a parameter's
+        for group in self.param_groups:
+            for j, p in enumerate(group["params"]):
+                state = self.state[p]
+                if j == 1:
+                    continue  # an empty per-parameter state
+                if p.grad is None:
+                    continue
+                if not state:
+                    state["count"] = 0
+                    state["comp"] = None
+                    state["history"] = [torch.zeros_like(p), (1.5, False)]
+                    state["ema"] = torch.zeros_like(p)
+                state["count"] += 1
+                state["ema"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["history"][0].add_(p.grad)
+                state["comp"] = None if state["count"] % 2 else float(state["count"])
+                p.add_(state["ema"], alpha=-group["lr"] * float(group["scale"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["magma"] = {"seen": int(self.state.get("k", 0)), "norm": torch.tensor([1.0, -0.0])}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        state_dict.pop("magma")
+        super().load_state_dict(state_dict)
+
+
+def assert_same(live: Any, stored: Any, where: str = "") -> None:
+    assert type(live) is type(stored), f"{where}: {type(live).__name__} vs {type(stored).__name__}"
+    if isinstance(live, torch.Tensor):
+        assert live.dtype == stored.dtype and live.shape == stored.shape, where
+        assert torch.equal(bits_view(live.contiguous()), bits_view(stored.contiguous())), where
+    elif isinstance(live, dict):
+        assert list(map(repr, sorted(live, key=repr))) == list(map(repr, sorted(stored, key=repr))), where
+        for k in live:
+            assert_same(live[k], stored[k], f"{where}.{k}")
+    elif isinstance(live, (list, tuple)):
+        assert len(live) == len(stored), where
+        for j, (a, b) in enumerate(zip(live, stored, strict=True)):
+            assert_same(a, b, f"{where}[{j}]")
+    else:
+        assert live == stored or (live != live and stored != stored), f"{where}: {live!r} vs {stored!r}"
+
+
+def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    return model, Quirky(model.parameters())
+
+
+def train(path: Path, steps: int, **kwargs: Any) -> list[dict[str, Any]]:
+    model, optimizer = make()
+    ck = ldformat.Checkpointer(path, model, optimizer, **kwargs)
+    seen = []
+    for s in range(steps):
+        optimizer.zero_grad()
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(s))
+        model(x).square().mean().backward()
+        optimizer.step()
+        seen.append({"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict())})
+    ck.close()
+    return seen
+
+
+def test_xor_round_trip_is_structurally_exact(tmp_path: Path) -> None:
+    seen = train(tmp_path / "chain", 7, mode="xor", anchor_every=4, batch_steps=2)
+    reader = ldformat.ChainReader(tmp_path / "chain")
+    assert reader.steps == list(range(8))
+    for step, live in enumerate(seen, start=1):
+        state = reader.materialize(step)
+        assert_same(live["optimizer"], state["optimizer"], f"step {step} optimizer")
+        assert_same(dict(live["model"]), dict(state["model"]), f"step {step} model")
+    assert ldformat.validate(tmp_path / "chain").ok
+
+
+def test_reopened_xor_chain_stays_exact(tmp_path: Path) -> None:
+    """A writer re-opening the chain XORs against the chain's own tensors, structure included."""
+    path = tmp_path / "chain"
+    train(path, 3, mode="xor", anchor_every=100, batch_steps=1)
+    model, optimizer = make()
+    assert ldformat.resume(path, model, optimizer) == 3
+    ck = ldformat.Checkpointer(path, model, optimizer, mode="xor", anchor_every=100, batch_steps=1)
+    optimizer.zero_grad()
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(3))).square().mean().backward()
+    optimizer.step()
+    expected = copy.deepcopy(optimizer.state_dict())
+    ck.close()
+    assert_same(expected, ldformat.ChainReader(path).materialize(4)["optimizer"], "step 4")
+    ldformat.compact(path, max_replay=2)
+    assert_same(expected, ldformat.ChainReader(path).materialize(4)["optimizer"], "step 4 after compact")
+    assert ldformat.validate(path).ok
+
+
+def test_empty_per_parameter_state_survives_gradient_replay(tmp_path: Path) -> None:
+    """SGD without momentum keeps an empty dict per parameter: lowdiff+ anchors and replay keep it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = ldformat.Checkpointer(tmp_path / "chain", model, optimizer, mode="lowdiff+", anchor_every=3, batch_steps=1)
+    seen = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        seen.append(copy.deepcopy(optimizer.state_dict()))
+    ck.close()
+    reader = ldformat.ChainReader(tmp_path / "chain")
+    for step, live in enumerate(seen, start=1):
+        assert_same(live, reader.materialize(step)["optimizer"], f"step {step}")
+
+
+def test_a_dangling_reference_is_caught_by_validate(tmp_path: Path) -> None:
+    from ldformat.optstate import check_structure
+
+    with pytest.raises(ldformat.CorruptChainError, match="references"):
+        check_structure({"state": {"$items": [[0, {"h": {"$ref": "optimizer/ref/state/0/h"}}]]}}, set(), 2, "x")
+    with pytest.raises(ldformat.CorruptChainError, match="'state' and 'top'"):
+        check_structure({"other": {}}, set(), 2, "x")
+    with pytest.raises(ldformat.CorruptChainError, match="has state tensors"):
+        check_structure({"state": {"$items": [[0, 5]]}}, {"optimizer/0/exp_avg"}, 2, "x")
+
+
+def test_unstorable_state_is_refused_with_its_location(tmp_path: Path) -> None:
+    from collections import deque
+
+    from ldformat.optstate import split_state
+
+    with pytest.raises(ldformat.UnsupportedStateError, match="deque"):
+        split_state({"state": {0: {"window": deque([1, 2])}}, "param_groups": []}, 1)
+    with pytest.raises(ldformat.UnsupportedStateError, match="dense"):
+        split_state({"state": {0: {"s": torch.eye(2).to_sparse()}}, "param_groups": []}, 1)
