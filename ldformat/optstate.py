@@ -18,10 +18,12 @@ whose optimizer keeps only tensors has no structure at all: its records are thos
 
 from __future__ import annotations
 
+import random
 from collections.abc import Collection, Mapping
 from typing import Any
 from urllib.parse import quote
 
+import numpy as np
 import torch
 
 from .errors import CorruptChainError, UnsupportedStateError
@@ -198,3 +200,48 @@ def join_state(tensors: Mapping[str, torch.Tensor], structure: JSON, param_group
     out: dict[Any, Any] = {"state": ordered, "param_groups": param_groups}
     out.update(_resolve(top, tensors, where))  # type: ignore[call-overload]
     return out
+
+
+def probe_unstorable_state(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before training, an optimizer whose state the format cannot hold.
+
+    An optimizer creates its state at its first step, so the state of a fresh optimizer says
+    nothing. This steps a miniature twin (the same class and param groups, over small CPU
+    stand-ins of the parameters, every dimension at most 4, with gradients of ones) once and
+    splits its state. The twin shares nothing with the live objects, so training is not
+    touched. A twin that cannot be built or stepped proves nothing and is ignored: the real
+    state is still checked at every capture.
+
+    Raises:
+        UnsupportedStateError: naming the value the format cannot hold.
+    """
+    if any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"]):
+        split_state(optimizer.state_dict(), sum(len(g["params"]) for g in optimizer.param_groups))
+        return
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):  # an optimizer that draws random numbers must not move the user's
+            state_dict = _step_twin(optimizer)
+    except Exception:  # the twin proves nothing: custom constructors, devices, closures...
+        return
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    split_state(state_dict, sum(len(g["params"]) for g in optimizer.param_groups))
+
+
+def _step_twin(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    groups = []
+    for g in optimizer.param_groups:
+        params = []
+        for p in g["params"]:
+            twin = torch.ones([min(d, 4) for d in p.shape], dtype=p.dtype, device="cpu")
+            params.append(twin.requires_grad_(p.requires_grad))
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": params})
+    twin_optimizer = type(optimizer)(groups)  # type: ignore[call-arg]
+    for g in twin_optimizer.param_groups:
+        for p in g["params"]:
+            if p.requires_grad:
+                p.grad = torch.ones_like(p)
+    twin_optimizer.step()
+    return twin_optimizer.state_dict()

@@ -65,7 +65,7 @@ from .manifest import (
     SlotInfo,
     StepEntry,
 )
-from .optstate import live_optimizer_state
+from .optstate import live_optimizer_state, probe_unstorable_state
 from .reader import ChainReader, chain_name, open_store
 from .state import (
     check_schema_matches,
@@ -748,6 +748,8 @@ def build_schema(
         raise UnsupportedStateError("LBFGS needs a closure to step, which replay cannot re-run; "
                                     "use mode='xor' (Checkpointer) or kind='state.xor' (ChainWriter)")
     encode_param_groups(optimizer, with_params=False)  # refuses hyperparameters JSON cannot hold, early
+    if not replayable:  # torch.optim classes keep storable state; others are probed before training
+        probe_unstorable_state(optimizer)
     return {
         "model": model_schema(model),
         "optimizer": {

@@ -158,3 +158,28 @@ def test_unstorable_state_is_refused_with_its_location(tmp_path: Path) -> None:
         split_state({"state": {0: {"window": deque([1, 2])}}, "param_groups": []}, 1)
     with pytest.raises(ldformat.UnsupportedStateError, match="dense"):
         split_state({"state": {0: {"s": torch.eye(2).to_sparse()}}, "param_groups": []}, 1)
+
+
+def test_unstorable_state_is_refused_before_training(tmp_path: Path) -> None:
+    """A fresh optimizer whose first step would create state the format cannot hold is refused
+    by the constructor, leaving no chain and no lock, and without moving the user's RNG."""
+    from collections import deque
+
+    class Windowed(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            torch.rand(3)  # draws from the global generator, as some optimizers do
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].setdefault("window", deque(maxlen=3)).append(1.0)
+            return super().step(closure)
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = Windowed(model.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with pytest.raises(ldformat.UnsupportedStateError, match="deque"):
+        ldformat.Checkpointer(tmp_path / "chain", model, optimizer)
+    assert not (tmp_path / "chain").exists()
+    assert torch.equal(torch.get_rng_state(), before)
+    assert not optimizer.state  # the live optimizer never stepped
