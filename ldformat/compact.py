@@ -133,6 +133,18 @@ def compact(
         lock.release()
 
 
+def retain_from_newest_anchor(path: str, store: Store, lock: WriterLock) -> tuple[list[int], ChainState]:
+    """Drop every step before the newest anchor, under a writer's own ``lock`` (the live
+    retention of ``max_bytes``); returns the dropped steps and the chain's new state."""
+    reader = ChainReader(path, store=store)
+    state = reader.state
+    if not state.anchors or state.latest_step is None:
+        return [], state
+    keep_last = state.latest_step - max(state.anchors) + 1
+    plan = _compact(reader, lock, None, keep_last, None, None)
+    return plan.dropped_steps, reader.state
+
+
 def _remove_garbage(reader: ChainReader, lock: WriterLock | None) -> list[str]:
     """Garbage, deleted unless this is a dry run (``lock`` None); lock generations not listed."""
     if lock is None:

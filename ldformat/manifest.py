@@ -447,6 +447,11 @@ class ChainState:
             refs.update(f"{d.path}/{o.path}" for o in d.objects)
         return refs
 
+    def referenced_bytes(self) -> int:
+        """The bytes of every object the chain references (their sizes as recorded)."""
+        total = sum(a.object.size for a in self.anchors.values())
+        return total + sum(o.size for d in self.delta_entries() for o in d.objects)
+
     def delta_entries(self) -> list[DeltaEntry]:
         seen: dict[str, DeltaEntry] = {}
         for d, _ in self.deltas.values():

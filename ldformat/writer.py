@@ -15,6 +15,7 @@ or runs an optimizer that modifies ``grad`` in place still records what the step
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import time
@@ -82,6 +83,7 @@ from .stores import open_store as open_location
 from .stores.local import make_directory
 from .topk import TopK
 
+log = logging.getLogger("ldformat")
 
 class ChainWriter:
     """Appends steps to a chain. Use :meth:`create` or :meth:`open`, not the constructor."""
@@ -137,6 +139,9 @@ class ChainWriter:
         self._pending_root: RootMetadata | None = None  # set while a chain is being created
         self.max_batch_bytes = 1 << 30  # a batch is committed early once its rows hold this much
         self._batch_bytes = 0
+        self.max_bytes: int | None = None  # a disk budget kept by dropping history after commits
+        self.retained: list[int] = []  # steps dropped to keep max_bytes
+        self._over_budget_warned = False
         self.last_commit_seconds = 0.0  # sync + record creation of the latest commit
         self.commits = 0
         # The capture runtime captures gradients itself and appends CapturedSteps.
@@ -593,7 +598,30 @@ class ChainWriter:
         self.last_commit_seconds = time.perf_counter() - started
         self.commits += 1
         self._pending_anchors, self._pending_deltas, self._written = [], [], []
+        if self.max_bytes is not None and self._lock is not None and self._state.referenced_bytes() > self.max_bytes:
+            self._keep_budget(self._lock, self.max_bytes)
         return self.durable_step
+
+    def _keep_budget(self, lock: WriterLock, max_bytes: int) -> None:
+        """Live retention (spec §17): drop every step before the newest anchor, as
+        ``compact(keep_last=...)`` would, so that the chain keeps within ``max_bytes``.
+
+        Runs right after a commit, when no uncommitted object exists, under this writer's
+        lock; it writes no anchor (the kept steps start at one), only a snapshot record.
+        """
+        from .compact import retain_from_newest_anchor  # compact builds on this module
+
+        try:
+            dropped, self._state = retain_from_newest_anchor(self.path, self.store, lock)
+        except ChainError as e:
+            self._failed = e
+            raise
+        self.retained.extend(dropped)
+        if self._state.referenced_bytes() > max_bytes and not self._over_budget_warned:
+            self._over_budget_warned = True
+            log.warning("%s: the chain holds %d bytes from its newest anchor on, more than max_bytes=%d; it is "
+                        "kept whole until the next anchor (raise max_bytes or anchor more often)",
+                        self.path, self._state.referenced_bytes(), max_bytes)
 
     @property
     def durable_step(self) -> int | None:
@@ -748,6 +776,14 @@ def build_schema(
         raise UnsupportedStateError("LBFGS needs a closure to step, which replay cannot re-run; "
                                     "use mode='xor' (Checkpointer) or kind='state.xor' (ChainWriter)")
     encode_param_groups(optimizer, with_params=False)  # refuses hyperparameters JSON cannot hold, early
+    if kind.startswith("grad."):
+        for i, group in enumerate(optimizer.param_groups):
+            for k, v in group.items():
+                if k != "params" and isinstance(v, torch.Tensor):
+                    raise UnsupportedStateError(
+                        f"param group {i} has a tensor-valued {k!r}; kind {kind!r} replays torch.optim, whose "
+                        "checks take a Python number there: use a float, or mode='xor' (kind='state.xor'), "
+                        "which stores tensor hyperparameters as they are")
     if not replayable:  # torch.optim classes keep storable state; others are probed before training
         probe_unstorable_state(optimizer)
     return {

@@ -143,11 +143,19 @@ def test_bfloat16_parameters(tmp_path: Any, kind: str) -> None:
     check_all_steps(path, refs, f"bf16 {kind}")
 
 
-def test_tensor_hyperparameter_is_refused(tmp_path: Any) -> None:
+def test_tensor_hyperparameter_is_refused_by_gradient_kinds_only(tmp_path: Any) -> None:
     model = TinyNet()
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
     with pytest.raises(ldformat.UnsupportedStateError, match="tensor"):
         ldformat.ChainWriter.create(str(tmp_path / "c"), model, opt, kind="grad.dense")
+    assert not (tmp_path / "c").exists()
+    writer = ldformat.ChainWriter.create(str(tmp_path / "x"), model, opt, kind="state.xor")
+    for step in (1, 2):
+        train_step(model, opt, step)
+        writer.record_step(step)
+    writer.close()
+    lr = ldformat.ChainReader(tmp_path / "x").materialize(2)["optimizer"]["param_groups"][0]["lr"]
+    assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and float(lr) == pytest.approx(0.01)
 
 
 def test_custom_optimizer_needs_xor(tmp_path: Any) -> None:

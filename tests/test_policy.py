@@ -461,3 +461,39 @@ def test_max_lost_s_bounds_the_automatic_batch(tmp_path: Path) -> None:
     assert tuning.extra()["max_lost_s"] == 3.0
     with pytest.raises(ldformat.UsageError, match="max_lost_s"):
         Tuning("auto", "auto", stats=CaptureStats(), max_stall=0.1, mtbf_s=1.0, max_batch_bytes=1, max_lost_s=0)
+
+
+def test_max_bytes_is_kept_by_live_retention(tmp_path: Path) -> None:
+    """With a disk budget the writer drops the steps before its newest anchor after commits:
+    the chain stays within the budget, and every step it keeps materializes exactly."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    path = tmp_path / "chain"
+    state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    budget = 8 * state_bytes  # room for two full anchors (model + Adam's two moments) and a few deltas
+    ck = ldformat.Checkpointer(path, model, opt, mode="xor", anchor_every=4, batch_steps=1, max_bytes=budget)
+    refs = {}
+    sizes = []
+    for step in range(1, 15):
+        train_step(model, opt, step)
+        refs[step] = snapshot(model, opt)
+        ck.flush()
+        sizes.append(ldformat.ChainReader(path).state.referenced_bytes())
+    ck.close()
+    reader = ldformat.ChainReader(path)
+    assert max(sizes) <= budget, sizes
+    assert reader.steps[0] == max(a for a in reader.anchors if a <= 14) and reader.steps[-1] == 14
+    assert 1 in ck.writer.retained and 0 in ck.writer.retained
+    for step in reader.steps:
+        assert_state_bits_equal(reader.materialize(step), refs[step], f"step {step}")
+    assert ldformat.validate(path).ok
+    assert reader.materialize(14)["extra"]["policy"]["max_bytes"] == budget
+
+
+def test_max_bytes_too_small_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model = TinyNet()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    with pytest.raises(ldformat.UsageError, match="two anchors"):
+        ldformat.Checkpointer(tmp_path / "chain", model, opt, max_bytes=100)
+    assert not (tmp_path / "chain").exists()

@@ -55,7 +55,7 @@ from .replica import Replica
 from .resume import open_writer
 from .rng import capture_rng
 from .staging import BufferPool, BufferSet, Stager
-from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning
+from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 if TYPE_CHECKING:
@@ -122,6 +122,11 @@ class Checkpointer:
         max_lost_s: an automatic ``batch_steps`` never puts more than this many seconds of
             measured training at risk (the steps of an uncommitted batch), whatever the
             wasted-time model or the stall tuner would choose. Shown by ``ldtools info``.
+        max_bytes: a disk budget for the chain. After each commit that leaves the chain
+            above it, the steps before the newest anchor are dropped (live retention, as
+            ``compact(keep_last=...)``), and an automatic ``anchor_every`` is kept small enough
+            that two anchors and the deltas between them fit. Refused before anything is
+            written when it cannot hold two anchors of the current state.
         queue_depth: steps that may wait for the background writer before training blocks.
         max_batch_bytes: a batch is committed early once its captured steps hold this much.
         stage_during_backward: ``lowdiff+`` copies each gradient to host memory as soon as
@@ -180,6 +185,7 @@ class Checkpointer:
         max_stall: float = 0.035,
         mtbf_hours: float = 24.0,
         max_lost_s: float = DEFAULT_MAX_LOST_S,
+        max_bytes: int | None = None,
         queue_depth: int = 2,
         max_batch_bytes: int = 1 << 30,
         stage_during_backward: bool | None = None,
@@ -199,6 +205,8 @@ class Checkpointer:
             raise UsageError(f"mode {mode!r} takes no compressor; use mode='lowdiff' with a TopK compressor")
         if queue_depth < 1:
             raise UsageError("queue_depth must be >= 1")
+        if max_bytes is not None:
+            check_budget(max_bytes, unwrap_model(model), unwrap_optimizer(optimizer))
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
@@ -225,7 +233,8 @@ class Checkpointer:
         self.max_batch_bytes = max_batch_bytes
         self.stats = CaptureStats()
         self.tuning = Tuning(anchor_every, batch_steps, stats=self.stats, max_stall=max_stall,
-                             mtbf_s=mtbf_hours * 3600.0, max_batch_bytes=max_batch_bytes, max_lost_s=max_lost_s)
+                             mtbf_s=mtbf_hours * 3600.0, max_batch_bytes=max_batch_bytes, max_lost_s=max_lost_s,
+                             max_bytes=max_bytes)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -242,6 +251,7 @@ class Checkpointer:
                                   first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
                                   storage_options=storage_options)
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
+        self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)

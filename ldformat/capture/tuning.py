@@ -16,6 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from ..errors import UsageError
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps
 
@@ -82,6 +84,17 @@ class CaptureStats:
         }
 
 
+def check_budget(max_bytes: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a ``max_bytes`` that cannot hold two anchors of the current state (before training)."""
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    state += sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor))
+    if not isinstance(max_bytes, int) or max_bytes < 2 * state:
+        raise UsageError(f"max_bytes={max_bytes!r} cannot hold two anchors of the current state ({state} bytes "
+                         f"each, without the optimizer state it has yet to create); give at least {2 * state}, "
+                         "better several times more")
+
+
 def positive_interval(value: object, name: str) -> int:
     """``value`` as a positive integer, else :class:`UsageError` naming ``name``."""
     if not isinstance(value, int) or value < 1:
@@ -102,10 +115,13 @@ class Tuning:
         max_lost_s: an automatic ``batch_steps`` keeps the training at risk in a crash (the
             uncommitted batch) under this many seconds of measured step time, whatever the
             wasted-time model or the stall tuner would choose.
+        max_bytes: an automatic ``anchor_every`` keeps two anchors plus the deltas between
+            them within this disk budget (the writer drops older history after commits).
     """
 
     def __init__(self, anchor_every: Interval, batch_steps: Interval, *, stats: CaptureStats, max_stall: float,
-                 mtbf_s: float, max_batch_bytes: int, max_lost_s: float = DEFAULT_MAX_LOST_S) -> None:
+                 mtbf_s: float, max_batch_bytes: int, max_lost_s: float = DEFAULT_MAX_LOST_S,
+                 max_bytes: int | None = None) -> None:
         if not max_lost_s > 0:
             raise UsageError(f"max_lost_s must be a positive number of seconds, got {max_lost_s!r}")
         self.auto_anchor = anchor_every == "auto"
@@ -118,6 +134,8 @@ class Tuning:
         self.mtbf_s = mtbf_s
         self.max_batch_bytes = max_batch_bytes
         self.max_lost_s = max_lost_s
+        self.max_bytes = max_bytes
+        self._anchor_bound = 100_000
         self._step_time_s: float | None = None
         self.anchor_write_s: float | None = None  # the latest anchor write (and commit), once measured
         self._chosen = False
@@ -127,6 +145,8 @@ class Tuning:
         """The ``policy`` entry of a step's extra state (spec §19.1)."""
         policy: dict[str, object] = {"anchor_every": self.anchor_every, "batch_steps": self.batch_steps,
                                      "max_lost_s": self.max_lost_s}
+        if self.max_bytes is not None:
+            policy["max_bytes"] = self.max_bytes
         inputs = self.stats.policy.get("inputs")
         if isinstance(inputs, dict):  # the measurements the wasted-time model used
             policy["inputs"] = dict(inputs)
@@ -165,7 +185,11 @@ class Tuning:
 
     def _choose(self, writer: ChainWriter, inputs: PolicyInputs, step_bytes: int) -> None:
         if self.auto_anchor:
-            self.anchor_every = optimal_anchor_every(inputs)
+            if self.max_bytes is not None:
+                # Two anchors and the deltas between them must fit (captured bytes bound a delta's).
+                anchor_bytes = sum(t.numel() * t.element_size() for t in writer.live_state_tensors().values())
+                self._anchor_bound = max(1, (self.max_bytes - 2 * anchor_bytes) // max(1, step_bytes))
+            self.anchor_every = optimal_anchor_every(inputs, upper=self._anchor_bound)
         if self.auto_batch:
             self._step_time_s = inputs.step_time_s
             upper = max(1, min(MAX_AUTO_BATCH_STEPS, self.max_batch_bytes // (step_bytes or 1), self._lost_bound()))
@@ -189,7 +213,8 @@ class Tuning:
         anchor_every, batch_steps, fraction = self.tuner.adjust(self.anchor_every, self.batch_steps)
         self.stats.policy["last_stall_fraction"] = fraction
         # Explicit values are kept (ranks of data-parallel lowdiff rely on anchor_every).
-        anchor_every = anchor_every if self.auto_anchor else self.anchor_every
+        anchor_every = min(anchor_every, max(self.anchor_every, self._anchor_bound)) if self.auto_anchor \
+            else self.anchor_every
         batch_steps = min(batch_steps, max(self.batch_steps, self._lost_bound())) if self.auto_batch \
             else self.batch_steps
         if (anchor_every, batch_steps) != (self.anchor_every, self.batch_steps):
