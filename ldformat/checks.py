@@ -29,7 +29,7 @@ from typing import TypeGuard
 import torch
 
 from .errors import CorruptChainError, UnsupportedStateError
-from .jsonvalue import JSON, Decoded, decode, dtype_name
+from .jsonvalue import JSON, Decoded, TensorRef, decode, dtype_name
 from .manifest import KINDS, AnchorEntry, Kind, RootMetadata, SlotInfo, StepEntry
 from .optstate import REF_PREFIX, check_structure
 from .state import ParamGroup
@@ -280,7 +280,7 @@ def check_param_groups(schema: Schema, data: JSON, where: str,
     """Decode and check ``param_groups`` (spec §8): one object per group of the schema, ``params``
     exactly the group's parameter indices; with ``rules`` (gradient kinds), every member of a
     fresh param group of the class, of its type. Returns the decoded groups."""
-    groups = decode(data, f"{where}: param_groups")
+    groups = _no_refs(decode(data, f"{where}: param_groups"), "param_groups", where)
     if not isinstance(groups, list) or len(groups) != len(schema.groups):
         raise CorruptChainError(f"{where}: param_groups is not an array of {len(schema.groups)} param groups "
                                 "(schema.optimizer.group_sizes)")
@@ -301,6 +301,9 @@ def check_hyper(schema: Schema, entry: StepEntry, where: str,
     """Decode and check a step entry's ``hyper`` (spec §10.4, §11.5): an array with one object per
     param group, without ``params``, when a gradient chain's optimizer stepped; null otherwise.
     With ``rules``, every member of a fresh param group of the class, of its type."""
+    if schema.gradient and entry.optimizer is not None:
+        raise CorruptChainError(f"{where}: step {entry.step} of a gradient chain carries an optimizer structure; "
+                                "only anchors and state.xor steps do (spec §8.2, §10.4)")
     if not (schema.gradient and entry.stepped):
         if entry.hyper is not None:
             why = "the optimizer did not step in it" if schema.gradient else "state.xor steps carry none"
@@ -310,7 +313,7 @@ def check_hyper(schema: Schema, entry: StepEntry, where: str,
     if entry.hyper is None:
         raise CorruptChainError(f"{where}: step {entry.step} ran the optimizer (stepped) but lacks the "
                                 "hyperparameters of its param groups (hyper is null)")
-    hyper = decode(entry.hyper, f"{where}: hyper of step {entry.step}")
+    hyper = _no_refs(decode(entry.hyper, f"{where}: hyper of step {entry.step}"), "hyper", where)
     if not isinstance(hyper, list) or len(hyper) != len(schema.groups):
         raise CorruptChainError(f"{where}: step {entry.step} has hyper for "
                                 f"{len(hyper) if isinstance(hyper, list) else 'no'} param groups; the optimizer "
@@ -327,9 +330,24 @@ def check_hyper(schema: Schema, entry: StepEntry, where: str,
     return hyper
 
 
+def _no_refs(value: Decoded, what: str, where: str) -> Decoded:
+    """``value``, refusing ``$ref``: it is only meaningful inside the optimizer structure (spec §6.1)."""
+    if isinstance(value, TensorRef):
+        raise CorruptChainError(f"{where}: {what} holds a $ref value ({value.name!r}); $ref is only valid in the "
+                                "optimizer structure (spec §6.1, §8.2)")
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            _no_refs(v, what, where)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_refs(k, what, where)
+            _no_refs(v, what, where)
+    return value
+
+
 def check_extra(data: JSON, where: str) -> dict[Decoded, Decoded]:
     """Decode ``extra``; it must decode to a dict (spec §9.3, §10.4)."""
-    extra = decode(data, f"{where}: extra")
+    extra = _no_refs(decode(data, f"{where}: extra"), "extra", where)
     if not isinstance(extra, dict):
         raise CorruptChainError(f"{where}: extra decodes to a {type(extra).__name__}, not a dict (spec §10.4)")
     return extra
@@ -380,7 +398,7 @@ def check_anchor_tensors(schema: Schema, tensors: Mapping[str, TensorMeta], wher
                 raise CorruptChainError(f"{where}: the anchor's {name} is {dtype} {list(shape)}; the schema says "
                                         f"{want[0]} {list(want[1])} (spec §9.1)")
             continue
-        if space == "optimizer" and name.startswith(REF_PREFIX):
+        if space == "optimizer" and name.startswith(REF_PREFIX) and len(name) > len(REF_PREFIX):
             continue  # a tensor of the optimizer structure: check_structure checks it is referenced
         if space == "optimizer":
             i_text, sep, _key = rest.partition("/")

@@ -151,10 +151,15 @@ def check_structure(data: JSON, names: Collection[str], n_params: int, where: st
     name tensors of the state (``names``), and whose parameter entries are dicts wherever the
     state has ``optimizer/<i>/<key>`` tensors of that parameter."""
     state, top = decode_structure(data, n_params, where)
-    for name in _refs(state, _refs(top, [])):
+    referenced = set(_refs(state, _refs(top, [])))
+    for name in sorted(referenced):
         if not name.startswith(REF_PREFIX) or name not in names:
             raise CorruptChainError(f"{where}: the optimizer structure references {name!r}, which is not an "
                                     f"{REF_PREFIX}... tensor of this step's state (spec §8.2)")
+    for name in names:
+        if name.startswith(REF_PREFIX) and name not in referenced:
+            raise CorruptChainError(f"{where}: the state holds {name}, which the optimizer structure does not "
+                                    "reference (spec §8.2)")
     direct = {n.split("/")[1] for n in names if n.startswith("optimizer/") and not n.startswith(REF_PREFIX)}
     for key, value in state.items():
         if is_param_key(key, n_params) and str(key) in direct and not isinstance(value, dict):
@@ -180,7 +185,9 @@ def _resolve(value: Decoded, tensors: Mapping[str, torch.Tensor], where: str) ->
 
 def join_state(tensors: Mapping[str, torch.Tensor], structure: JSON, param_groups: list[Any], n_params: int,
                where: str) -> dict[str, Any]:
-    """The ``optimizer.state_dict()`` that ``tensors`` and ``structure`` stand for."""
+    """The ``optimizer.state_dict()`` that ``tensors`` and ``structure`` stand for (checked by
+    :func:`check_structure` first)."""
+    check_structure(structure, tensors, n_params, where)
     state: dict[Any, Any] = {}
     for name, t in tensors.items():
         if name.startswith("optimizer/") and not name.startswith(REF_PREFIX):

@@ -328,6 +328,8 @@ class ChainWriter:
                 f"{self.path}: the optimizer's param groups changed since the chain was created "
                 "(add_param_group?); format 1.x fixes them at creation: start a new chain"
             )
+        if self.kind.startswith("grad."):
+            refuse_tensor_hyperparameters(self.optimizer, self.kind)
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if self._failed is not None:
@@ -443,6 +445,7 @@ class ChainWriter:
         """
         self._check_usable()
         step = captured.step
+        self._refuse_structure_in_old_chain(captured.optimizer, step)
         if self._last_step is None or step != self._last_step + 1:
             raise UsageError(
                 f"{self.path}: step {step} recorded out of order; the next step is "
@@ -493,6 +496,17 @@ class ChainWriter:
               or (self._batch.rows + 1) * max(1, len(self._slots)) > MAX_COUNTS):  # spec §10.5 bound
             self.commit()
 
+    def _refuse_structure_in_old_chain(self, structure: JSON, step: int) -> None:
+        """Records of a chain created as format 1.0 or 1.1 cannot carry an optimizer structure
+        (spec §3.1): its readers would refuse them."""
+        if structure is not None and _minor(self.root.format_version) < 2:
+            err = UnsupportedStateError(
+                f"{self.path}: step {step}: the optimizer's state holds values that are not tensors (or empty "
+                f"per-parameter states), which format {self.root.format_version} chains cannot store; this chain "
+                "was created by an older ldformat: start a new chain to keep this optimizer's whole state")
+            self._failed = err
+            raise err
+
     def _slot(self, name: str, ct: CapturedTensor, encoding: str) -> int:
         j = self._slot_index.get(name)
         if j is None:
@@ -539,6 +553,7 @@ class ChainWriter:
             )
         groups = encode_param_groups(self.optimizer, with_params=True)
         tensors, structure = self.snapshot_anchor()
+        self._refuse_structure_in_old_chain(structure, step)
         self._write_anchor_object(step, tensors, groups, self._last_extra, structure)
         return self.commit()
 
@@ -763,6 +778,17 @@ def _minor(version: str) -> int:
     return int(version.split(".")[1])
 
 
+def refuse_tensor_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> None:
+    """Gradient kinds replay ``torch.optim``, whose checks take Python numbers as hyperparameters."""
+    for i, group in enumerate(optimizer.param_groups):
+        for k, v in group.items():
+            if k != "params" and isinstance(v, torch.Tensor):
+                raise UnsupportedStateError(
+                    f"param group {i} has a tensor-valued {k!r}; kind {kind!r} replays torch.optim, whose "
+                    "checks take a Python number there: use a float, or mode='xor' (kind='state.xor'), "
+                    "which stores tensor hyperparameters as they are")
+
+
 def build_schema(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, kind: str, compressor: TopK | None
 ) -> dict[str, Any]:
@@ -777,13 +803,7 @@ def build_schema(
                                     "use mode='xor' (Checkpointer) or kind='state.xor' (ChainWriter)")
     encode_param_groups(optimizer, with_params=False)  # refuses hyperparameters JSON cannot hold, early
     if kind.startswith("grad."):
-        for i, group in enumerate(optimizer.param_groups):
-            for k, v in group.items():
-                if k != "params" and isinstance(v, torch.Tensor):
-                    raise UnsupportedStateError(
-                        f"param group {i} has a tensor-valued {k!r}; kind {kind!r} replays torch.optim, whose "
-                        "checks take a Python number there: use a float, or mode='xor' (kind='state.xor'), "
-                        "which stores tensor hyperparameters as they are")
+        refuse_tensor_hyperparameters(optimizer, kind)
     if not replayable:  # torch.optim classes keep storable state; others are probed before training
         probe_unstorable_state(optimizer)
     return {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
@@ -21,7 +22,7 @@ import safetensors
 import torch
 
 import ldformat
-from ldformat.jsonvalue import canonical, encode, with_checksum
+from ldformat.jsonvalue import canonical, decode, encode, with_checksum
 from ldformat.manifest import Record
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -45,6 +46,26 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def same_structure(got: Any, want: Any, where: str) -> None:
+    """Structural equality of decoded values: the same types (a tuple is not a list, an int not a
+    float or a bool), dict keys in any order, floats and tensors bit for bit."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert same_bits(got, want), f"{where}: tensors differ"
+    elif isinstance(want, dict):
+        assert len(got) == len(want) and set(map(repr, got)) == set(map(repr, want)), f"{where}: keys differ"
+        for k, v in want.items():
+            same_structure(got[k], v, f"{where}.{k!r}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: lengths differ"
+        for j, (g, w) in enumerate(zip(got, want, strict=True)):
+            same_structure(g, w, f"{where}[{j}]")
+    elif isinstance(want, float):
+        assert struct.pack("<d", got) == struct.pack("<d", want) or got != got and want != want, where
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -95,11 +116,16 @@ def test_materialize_every_step_bitwise(version: str, name: str) -> None:
         for key, value in got["model"].items():
             assert same_bits(value, tensors[f"model.{key}"]), f"{where}: model {key} differs in bits"
         # Optimizer: exactly the stored per-parameter tensors.
-        got_opt = {f"optimizer.{i}.{k}": v for i, s in got["optimizer"]["state"].items() for k, v in s.items()}
+        got_opt = {f"optimizer.{i}.{k}": v for i, s in got["optimizer"]["state"].items() if isinstance(s, dict)
+                   for k, v in s.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
         want_opt = {k for k in tensors if k.startswith("optimizer.")}
         assert set(got_opt) == want_opt, where
         for key, value in got_opt.items():
             assert same_bits(value, tensors[key]), f"{where}: {key} differs in bits"
+        # From 1.2: the whole optimizer state_dict but param_groups, structurally (spec §3.4, §8.2).
+        if "optimizer" in meta:
+            want = decode(json.loads(meta["optimizer"]), where)
+            same_structure({k: v for k, v in got["optimizer"].items() if k != "param_groups"}, want, where)
         assert json_text(got["optimizer"]["param_groups"]) == meta["param_groups"], where
         assert json_text(got["extra"]) == meta["extra"], where
         # Top-k residuals: only at anchors, and only those the writer stored.
@@ -171,6 +197,7 @@ def _mutations(record: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool, 
     mutate("ignorable field in a slot", True,
            lambda d: d["deltas"][0]["slots"][0].update(codec={"must_understand": False}))
     mutate("stepped as int", False, lambda d: d["deltas"][0]["steps"][0].update(stepped=1))
+    mutate("optimizer structure not an object", False, lambda d: d["deltas"][0]["steps"][0].update(optimizer=[]))
     # Relations between fields: the spec states them, only the reader checks them.
     mutate("base not before step", False, lambda d: d["deltas"][0]["steps"][0].update(base=9), False)
     mutate("row past rows", False, lambda d: d["deltas"][0]["steps"][0].update(row=d["deltas"][0]["rows"]), False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -91,3 +92,14 @@ if hasattr(threading, "_register_atexit"):
     threading._register_atexit(_close_at_exit)
 else:  # pragma: no cover
     atexit.register(_close_at_exit)
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker, a ``fork`` multiprocessing process) inherits the
+    parent's open Checkpointers: they are the parent's to close. Without this, a worker that
+    exits would commit or release the lock of the parent's chain from its copy."""
+    open_at_exit.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)

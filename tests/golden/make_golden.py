@@ -13,10 +13,13 @@ writes one directory per chain under ``OUTDIR``::
                                            the chain was written (not read back from the chain)
 
 An expected file holds ``model.<state_dict key>`` (tied keys as separate copies),
-``optimizer.<param index>.<key>`` and, where a reader must return top-k residuals,
-``compressor.<parameter name>``. Its safetensors metadata holds ``step``, ``model_keys``
-(the state_dict order, JSON), ``param_groups`` and ``extra`` (tagged JSON, spec "JSON values")
-and ``compressor`` (``present`` or ``absent``: whether ``materialize`` returns residuals).
+``optimizer.<param index>.<key>`` (every per-parameter state tensor under a string key) and,
+where a reader must return top-k residuals, ``compressor.<parameter name>``. Its safetensors
+metadata holds ``step``, ``model_keys`` (the state_dict order, JSON), ``param_groups`` and
+``extra`` (tagged JSON, spec "JSON values"), ``compressor`` (``present`` or ``absent``: whether
+``materialize`` returns residuals) and, from format 1.2 on, ``optimizer``: the tagged JSON of
+the whole live ``optimizer.state_dict()`` except ``param_groups`` (its ``state`` and any other
+top-level entries), every tensor inline as ``$tensor`` (spec §3.4).
 
 Golden chains are written once per format version and committed (``tests/golden/<version>/``);
 every later reader must still read them bit for bit. Never regenerate the files of a released
@@ -27,16 +30,20 @@ operation of the replayed optimizer step is correctly rounded: replay is then bi
 every CPU and torch build, which a golden file that later readers must match requires.
 (Adam replay is exact only in the recording environment; tests/test_exactness.py covers it
 against live training.) The ``state.xor`` chain uses Adam: XOR replay is exact everywhere.
+The ``state.xor-structure`` chain uses an optimizer whose ``state_dict()`` holds everything
+that is not a per-parameter tensor (the optimizer structure of spec §8.2).
 """
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -139,13 +146,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def capture(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, extra: dict[str, Any] | None,
             compressor: dict[str, torch.Tensor] | None) -> dict[str, Any]:
-    """The live state in the shape ``ChainReader.materialize`` returns (deep copies)."""
-    osd = optimizer.state_dict()
-    state = {i: {k: v.detach().clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
-             for i, s in osd["state"].items()}
+    """The live state in the shape ``ChainReader.materialize`` returns (deep copies): the whole
+    ``optimizer.state_dict()``, non-tensor values, empty per-parameter states and top-level
+    entries included (spec §8.2)."""
     out: dict[str, Any] = {
         "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optimizer": {"state": {i: s for i, s in state.items() if s}, "param_groups": osd["param_groups"]},
+        "optimizer": copy.deepcopy(optimizer.state_dict()),
         "step": step,
         "extra": extra or {},
     }
@@ -158,13 +164,23 @@ def json_text(value: Any) -> str:
     return canonical(encode(value)).decode()
 
 
+def without_param_groups(optimizer_state: dict[Any, Any]) -> dict[Any, Any]:
+    """An optimizer ``state_dict()`` without ``param_groups``: its ``state`` and top-level entries."""
+    return {k: v for k, v in optimizer_state.items() if k != "param_groups"}
+
+
+def state_tensors(optimizer_state: dict[Any, Any]) -> dict[str, torch.Tensor]:
+    """``optimizer.<i>.<key>`` for every per-parameter state tensor under a string key."""
+    return {f"optimizer.{i}.{k}": v for i, s in optimizer_state["state"].items() if isinstance(s, dict)
+            for k, v in s.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+
+
 def state_to_file(state: dict[str, Any], path: Path) -> None:
     tensors: dict[str, torch.Tensor] = {}
     for k, v in state["model"].items():
         tensors[f"model.{k}"] = v.detach().clone().contiguous()
-    for i, entry in state["optimizer"]["state"].items():
-        for k, v in entry.items():
-            tensors[f"optimizer.{i}.{k}"] = v.detach().clone().contiguous()
+    for k, v in state_tensors(state["optimizer"]).items():
+        tensors[k] = v.detach().clone().contiguous()
     for k, v in state.get("compressor", {}).items():
         tensors[f"compressor.{k}"] = v.detach().clone().contiguous()
     metadata = {
@@ -174,8 +190,34 @@ def state_to_file(state: dict[str, Any], path: Path) -> None:
         "param_groups": json_text(state["optimizer"]["param_groups"]),
         "extra": json_text(state["extra"]),
         "compressor": "present" if "compressor" in state else "absent",
+        "optimizer": json_text(without_param_groups(state["optimizer"])),
     }
     safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+
+
+def same_value(got: Any, want: Any, where: str) -> None:
+    """Structural equality of decoded values: the same types (a tuple is not a list, an int not a
+    float or a bool), dict keys in any order, floats and tensors bit for bit."""
+    if type(got) is not type(want):
+        raise AssertionError(f"{where}: {type(got).__name__} != {type(want).__name__}")
+    if isinstance(want, torch.Tensor):
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(bits(got), bits(want)):
+            raise AssertionError(f"{where}: tensors differ")
+    elif isinstance(want, dict):
+        if set(map(repr, got)) != set(map(repr, want)) or len(got) != len(want):
+            raise AssertionError(f"{where}: keys {sorted(map(repr, got))} != {sorted(map(repr, want))}")
+        for k, v in want.items():
+            same_value(got[k], v, f"{where}.{k!r}")
+    elif isinstance(want, (list, tuple)):
+        if len(got) != len(want):
+            raise AssertionError(f"{where}: length {len(got)} != {len(want)}")
+        for j, (g, w) in enumerate(zip(got, want, strict=True)):
+            same_value(g, w, f"{where}[{j}]")
+    elif isinstance(want, float):
+        if not (got == want and math.copysign(1, got) == math.copysign(1, want) or got != got and want != want):
+            raise AssertionError(f"{where}: {got!r} != {want!r}")
+    elif got != want:
+        raise AssertionError(f"{where}: {got!r} != {want!r}")
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
@@ -183,10 +225,6 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
     if list(got["model"]) != list(want["model"]):
         raise AssertionError(f"{where}: model keys {list(got['model'])} != {list(want['model'])}")
     pairs = [(f"model {k}", got["model"][k], v) for k, v in want["model"].items()]
-    gs, ws = got["optimizer"]["state"], want["optimizer"]["state"]
-    if {i: sorted(s) for i, s in gs.items()} != {i: sorted(s) for i, s in ws.items()}:
-        raise AssertionError(f"{where}: optimizer state keys differ")
-    pairs += [(f"optimizer {i}/{k}", gs[i][k], v) for i, s in ws.items() for k, v in s.items()]
     if ("compressor" in got) != ("compressor" in want):
         raise AssertionError(f"{where}: compressor residuals present in only one state")
     if "compressor" in want:
@@ -196,6 +234,8 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
     for name, g, w in pairs:
         if g.dtype != w.dtype or g.shape != w.shape or not torch.equal(bits(g), bits(w)):
             raise AssertionError(f"{where}: {name} differs")
+    # The whole optimizer state_dict: tensors, Python values, empty states, global and top-level entries.
+    same_value(without_param_groups(got["optimizer"]), without_param_groups(want["optimizer"]), f"{where}: optimizer")
     for key in ("param_groups",):
         if json_text(got["optimizer"][key]) != json_text(want["optimizer"][key]):
             raise AssertionError(f"{where}: optimizer {key} differ")
@@ -344,6 +384,83 @@ def make_state_xor_leftovers(chain: Path) -> dict[int, dict[str, Any]]:
     return live
 
 
+class Quirky(torch.optim.Optimizer):
+    """An optimizer whose ``state_dict()`` holds what the optimizer structure (spec §8.2) keeps:
+    per-parameter Python values (an int, ``None`` or a float, a tuple, a list holding a tensor),
+    empty per-parameter states, a global state entry, a top-level entry holding a tensor (held
+    in two places: stored once) and tensor- and dtype-valued hyperparameters."""
+
+    def __init__(self, params: Any, lr: float = 2.0**-5) -> None:
+        super().__init__(params, {"lr": lr, "betas": (0.5, 0.25), "scale": torch.tensor(0.5),
+                                  "dtype": torch.float32, "flag": True, "name": "q"})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        everything = cast("dict[Any, Any]", self.state)  # torch types its keys as parameters only
+        everything["k"] = everything.get("k", 0) + 1  # global state, not a parameter's
+        for group in self.param_groups:
+            for j, p in enumerate(group["params"]):
+                state = self.state[p]  # an empty per-parameter state for parameters left alone
+                if j == 1 or p.grad is None:
+                    continue
+                if not state:
+                    state["count"] = 0
+                    state["comp"] = None
+                    state["history"] = [torch.zeros_like(p), (1.5, False)]
+                    state["ema"] = torch.zeros_like(p)
+                state["count"] += 1
+                state["ema"].mul_(group["betas"][0]).add_(p.grad, alpha=group["betas"][1])
+                state["history"][0].add_(p.grad)
+                state["comp"] = None if state["count"] % 2 else float(state["count"]) / 4
+                p.add_(state["ema"].to(group["dtype"]).to(p.dtype), alpha=-group["lr"] * float(group["scale"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        seen = int(cast("dict[Any, Any]", self.state).get("k", 0))
+        norm = torch.tensor([float(seen), -0.0])
+        sd["magma"] = {"seen": seen, "norm": norm, "again": (norm, None)}
+        sd["w/x %"] = [torch.tensor([len(self.state)], dtype=torch.int64)]  # a key that is percent-encoded
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        state_dict.pop("magma", None)
+        state_dict.pop("w/x %", None)
+        super().load_state_dict(state_dict)
+
+
+def quirky(model: GoldenNet) -> torch.optim.Optimizer:
+    groups = param_groups(model)
+    groups[1] = {"params": groups[1]["params"], "lr": 2.0**-6, "scale": torch.tensor([0.25]),
+                 "dtype": torch.bfloat16}
+    return Quirky(groups)
+
+
+def make_state_xor_structure(chain: Path) -> dict[int, dict[str, Any]]:
+    """The optimizer structure (spec §8.2) in anchors, xor steps, merged xor steps and
+    compaction anchors: Quirky, anchors every 4 steps, 3 steps per batch; then compacted with
+    keep_last=2, keep_every=3 and max_replay=1: steps 1, 2, 4, 5 (and anchor 4) are dropped, the
+    xor deltas 0->3 are merged and step 6 becomes an anchor written by compaction."""
+    torch.manual_seed(0)
+    model = GoldenNet()
+    opt = quirky(model)
+    live: dict[int, dict[str, Any]] = {}
+    writer = ldformat.ChainWriter.create(chain, model, opt, kind="state.xor", batch_steps=3, anchor_every=4)
+    live[0] = capture(model, opt, 0, {}, None)
+    for step in range(1, 9):
+        forward_backward(model, opt, step, seed=1)
+        opt.step()
+        writer.record_step(step, extra={"position": step})
+        live[step] = capture(model, opt, step, {"position": step}, None)
+    writer.close()
+    plan = ldformat.compact(chain, keep_last=2, keep_every=3, max_replay=1)
+    if plan.merged_deltas != [(0, 3)] or plan.dropped_steps != [1, 2, 4, 5] or plan.new_anchors != [6]:
+        raise AssertionError(f"unexpected compaction plan {plan.to_dict()}")
+    for step in plan.dropped_steps:
+        del live[step]
+    return live
+
+
 CHAINS = {
     "grad.dense": (make_grad_dense, "anchors every 3 steps, hand-set lr, a skipped optimizer step (stepped: "
                    "false), scheduler and tagged JSON in extra, truncate after 4, re-open and append 5-6"),
@@ -353,6 +470,11 @@ CHAINS = {
                   "(exact XOR merges 0->3 and 3->6)"),
     "state.xor-leftovers": (make_state_xor_leftovers, "log from record 1 (append records only), SGD momentum, "
                             "an uncommitted delta group of steps 5-6 left by a failed commit"),
+    "state.xor-structure": (make_state_xor_structure, "an optimizer structure (spec 8.2): per-parameter int, "
+                            "None, float, tuple and a list holding a tensor, empty per-parameter states, global "
+                            "state, top-level entries holding tensors (one held twice, one under a key with '/'), "
+                            "tensor and dtype hyperparameters; compaction keep_last=2 keep_every=3 "
+                            "max_replay=1 (merge 0->3, compaction anchor 6)"),
 }
 
 
