@@ -31,7 +31,7 @@ from .topk import TopK
 from .validate import Problem, ValidationReport, validate
 from .writer import ChainWriter
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "FORMAT_VERSION",
