@@ -792,3 +792,17 @@ def test_wrapped_objects_are_unwrapped(tmp_path: Path) -> None:
     assert state["step"] == 3
     assert sorted(state["model"]) == ["bias", "weight"]
     assert torch.equal(bits_view(state["model"]["weight"]), bits_view(inner.weight.detach()))
+
+
+def test_no_residual_warning_when_resuming_at_step_0(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The residuals of step 0 are zero: re-opening a lowdiff chain there is exact, without a warning."""
+    import logging
+
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ldformat.Checkpointer(tmp_path / "chain", model, optimizer, mode="lowdiff").close()
+    caplog.set_level(logging.WARNING, logger="ldformat.capture")
+    step = ldformat.resume(tmp_path / "chain", model, optimizer, exact=True)
+    ldformat.Checkpointer(tmp_path / "chain", model, optimizer, mode="lowdiff", step=step).close()
+    assert step == 0
+    assert not [r for r in caplog.records if "residuals" in r.getMessage()]

@@ -245,7 +245,7 @@ def open_writer(
     if compressor is not None and target is not None:
         tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
         residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
-        if residuals:
+        if residuals or (target == 0 and target in reader.anchors):  # the residuals of step 0 are zero
             compressor.load_residuals(residuals)
         else:
             log.warning("%s: step %s holds no top-k residuals (a delta step or a compaction anchor): they "
