@@ -201,8 +201,12 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
         plan.removed_objects = _remove_garbage(reader, lock)
         return plan
     if lock is None:
+        # What the real run removes after its snapshot record (the next sequence number) is
+        # committed: what that record no longer references, the records it supersedes, and
+        # leftovers already there (spec §7.5). New anchors and merged deltas do not exist yet.
         new_state = _planned_state(state, kept_anchors, keep_delta)
-        plan.removed_objects = sorted(state.referenced_objects() - new_state.referenced_objects())
+        new_state.first_seq = new_state.last_seq = state.last_seq + 1
+        plan.removed_objects = [p for p in garbage(reader.store, new_state) if not p.startswith(LOCK_DIR + "/")]
         return plan
 
     written: list[str] = []

@@ -29,6 +29,8 @@ import ldformat
 from ldformat import ChainLockedError, ChainReader, LdformatError, NotAChainError, UsageError
 from ldformat.errors import OutputWriteError
 
+from .progress import PROGRESS_ENV, ProgressBar, human_bytes, progress_wanted
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_OK = 0
@@ -247,37 +249,6 @@ class LdtoolsGroup(click.Group):
         raise AssertionError("unreachable")  # pragma: no cover
 
 
-class _Progress:
-    """A click progress bar on a terminal; silent otherwise."""
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.bar: Any = None
-        self.done = 0
-
-    def __call__(self, *args: Any) -> None:
-        done, total = args[-2], args[-1]
-        if not sys.stderr.isatty():
-            return
-        if self.bar is None:
-            self.bar = click.progressbar(length=total, label=self.label, file=sys.stderr)
-            self.bar.__enter__()
-        self.bar.update(done - self.done)
-        self.done = done
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n} B"
-
-
 CHAIN = click.argument("chain", type=click.Path(path_type=str))
 
 
@@ -304,26 +275,74 @@ def cli(debug: bool) -> None:
       70   internal error (a bug in ldtools: please report it)
       130  interrupted, or a confirmation was declined
       141  stdout was closed (broken pipe)
+
+    materialize, validate, compact and sync draw a progress bar on stderr when
+    stderr is a terminal (--progress/--no-progress, or LDTOOLS_PROGRESS=1 or 0,
+    change that); stdout never gets one.
     """
     _Session.debug = _Session.debug or debug
 
 
-def _state_bytes(reader: ChainReader, step: int) -> int:
-    """An anchor's size without top-k residuals: the size of one full checkpoint of the state."""
-    from ldformat.anchor import tensor_bytes
+def full_checkpoint(reader: ChainReader) -> dict[str, int]:
+    """The size of one full checkpoint of the latest step: the anchor that step would get.
 
-    entry = reader.state.anchors[step]
-    if reader.kind != "grad.topk":
-        return entry.object.size
-    return entry.object.size - tensor_bytes(reader.read_object(entry.object, step), "compressor")
+    That is the state ``materialize`` returns, as an anchor object stores it (spec section
+    9.1): model tensors (tied weights once) and optimizer state, in a safetensors file, header
+    included, without top-k residuals (which only a compressor needs). A latest step that is
+    not an anchor is replayed from its anchor, as ``materialize`` does: the size of an older
+    anchor misses what the optimizer state gained since (the anchor a chain is created with,
+    written before the first optimizer step, holds no optimizer state at all).
+
+    Returns:
+        ``{"step", "bytes", "model_bytes", "optimizer_bytes"}``.
+
+    Raises:
+        EmptyChainError: the chain has no committed step.
+        LdformatError: an object it needs is missing or damaged.
+    """
+    from ldformat.anchor import anchor_parts
+
+    step = reader.latest_step
+    if step is None:
+        raise ldformat.EmptyChainError(f"{reader.path}: the chain has no committed step yet")
+    anchor_step, path = reader.state.replay_path(step)
+    if path:
+        replayer = reader.start_replay(anchor_step)
+        reader.replay_steps(replayer, path)
+        replayer.sync_optimizer_tensors()
+        tensors = replayer.tensors
+    else:
+        tensors = reader.load_anchor_tensors(step)
+    state = {n: t for n, t in tensors.items() if not n.startswith("compressor")}
+
+    def nbytes(prefix: str) -> int:
+        return sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith(prefix))
+
+    return {"step": step, "bytes": anchor_parts(state, step).size, "model_bytes": nbytes("model/"),
+            "optimizer_bytes": nbytes("optimizer/")}
+
+
+def _full_checkpoint_or_error(reader: ChainReader) -> tuple[dict[str, int] | None, str | None]:
+    """:func:`full_checkpoint`, or None and why not (info still summarizes a damaged chain)."""
+    if reader.latest_step is None:
+        return None, None
+    try:
+        try:
+            return full_checkpoint(reader), None
+        except ldformat.MissingObjectError:
+            reader.refresh()  # a compaction removed what this view of the log referenced
+            return full_checkpoint(reader), None
+    except LdformatError as e:
+        return None, str(e)
 
 
 def chain_info(reader: ChainReader) -> dict[str, Any]:
+    full, full_error = _full_checkpoint_or_error(reader)  # first: it may re-read the log
     state = reader.state
     anchors = sorted(state.anchors.items())
     delta_bytes = sum(o.size for d in state.delta_entries() for o in d.objects)
     n_deltas = len(state.deltas)
-    full = _state_bytes(reader, anchors[-1][0]) if anchors else 0
+    full_bytes = full["bytes"] if full is not None else None
     total = reader.bytes_on_disk()
     steps = reader.steps
     return {
@@ -341,8 +360,9 @@ def chain_info(reader: ChainReader) -> dict[str, Any]:
         "anchor_bytes": sum(a.object.size for _, a in anchors),
         "delta_bytes": delta_bytes,
         "delta_bytes_per_step": delta_bytes / n_deltas if n_deltas else None,
-        "full_checkpoint_bytes": full,
-        "compression_vs_full_checkpoints": (len(steps) * full / total) if total and full else None,
+        "full_checkpoint_bytes": full_bytes,
+        "full_checkpoint": {**(full or {}), "error": full_error},
+        "compression_vs_full_checkpoints": (len(steps) * full_bytes / total) if total and full_bytes else None,
         "environment": reader.root.environment,
         "capture_policy": _capture_policy(reader),
     }
@@ -369,6 +389,10 @@ def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
 def info(chain: str, as_json: bool) -> None:
     """Summarize a chain: steps, anchors, kind, bytes on disk, compression.
 
+    "full state" is the size of one full checkpoint of the latest step (model, tied weights
+    once, and optimizer state, as an anchor of that step would hold them); a latest step that
+    is not an anchor is replayed from its anchor to measure it, as materialize does.
+
     Example: ldtools info runs/chain --json
     """
     data = chain_info(ChainReader(chain))
@@ -381,14 +405,24 @@ def info(chain: str, as_json: bool) -> None:
     anchors = data["anchors"]
     shown = ", ".join(map(str, anchors[:10])) + (" ..." if len(anchors) > 10 else "")
     _echo(f"anchors      {len(anchors)}  [{shown}]")
-    _echo(f"on disk      {_human(data['bytes_on_disk'])}  (anchors {_human(data['anchor_bytes'])}, "
-               f"deltas {_human(data['delta_bytes'])})")
+    _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  (anchors {human_bytes(data['anchor_bytes'])}, "
+          f"deltas {human_bytes(data['delta_bytes'])})")
+    full = data["full_checkpoint"]
+    if data["full_checkpoint_bytes"] is not None:
+        _echo(f"full state   {human_bytes(full['bytes'])} at step {full['step']} (model "
+              f"{human_bytes(full['model_bytes'])}, optimizer {human_bytes(full['optimizer_bytes'])}): "
+              "the size of one full checkpoint")
+    elif full["error"] is not None:
+        _echo(f"full state   unknown: replaying to step {data['latest_step']} failed ({full['error']}); "
+              "run `ldtools validate` on the chain")
     if data["delta_bytes_per_step"] is not None:
-        _echo(f"per step     {_human(data['delta_bytes_per_step'])} of deltas; one full checkpoint is "
-                   f"{_human(data['full_checkpoint_bytes'])}")
-    if data["compression_vs_full_checkpoints"]:
-        _echo(f"compression  {data['compression_vs_full_checkpoints']:.1f}x smaller than a full "
-                   "checkpoint per step")
+        _echo(f"per step     {human_bytes(data['delta_bytes_per_step'])} of deltas")
+    ratio = data["compression_vs_full_checkpoints"]
+    if ratio is not None and ratio >= 1:
+        _echo(f"compression  {ratio:.1f}x smaller than a full checkpoint per step")
+    elif ratio:
+        _echo(f"compression  none yet: the chain takes {1 / ratio:.1f}x the bytes of a full checkpoint per step "
+              f"({data['steps']} step(s) so far)")
     policy = data["capture_policy"]
     if policy:
         line = f"policy       anchor_every={policy.get('anchor_every')} batch_steps={policy.get('batch_steps')}"
@@ -398,9 +432,16 @@ def info(chain: str, as_json: bool) -> None:
                      f"replay {inputs['replay_step_s']:.4f}s/step, commit {inputs['commit_s']:.4f}s, "
                      f"MTBF {inputs['mtbf_s'] / 3600:.1f}h)")
         _echo(line)
+        bounds = []
+        if isinstance(policy.get("max_lost_s"), (int, float)):
+            bounds.append(f"at most {policy['max_lost_s']:g} s of training lost in a crash (max_lost_s)")
+        if isinstance(policy.get("max_bytes"), int):
+            bounds.append(f"disk budget {human_bytes(policy['max_bytes'])} (max_bytes)")
+        if bounds:
+            _echo(f"bounds       {'; '.join(bounds)}")
     env: dict[str, Any] = data["environment"]
     _echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
-               f"optimizer path {','.join(env.get('implementation', []))}")
+          f"optimizer path {','.join(env.get('implementation', []))}")
 
 
 @cli.command()
@@ -409,6 +450,9 @@ def info(chain: str, as_json: bool) -> None:
 @errors_to_exit_codes
 def log(chain: str, as_json: bool) -> None:
     """List the commit records in effect, oldest first.
+
+    The table has a header row (SEQ TIME TYPE DELTAS ANCHORS BYTES REASON); --json prints
+    the records alone.
 
     Example: ldtools log runs/chain
     """
@@ -428,12 +472,18 @@ def log(chain: str, as_json: bool) -> None:
     if as_json:
         _echo(json.dumps(rows, indent=2))
         return
+    lines = [("SEQ", "TIME", "TYPE", "DELTAS", "ANCHORS", "BYTES", "REASON")]
     for row in rows:
         ds = row["delta_steps"]
-        deltas = f"deltas {ds[0]}-{ds[1]}" if ds else "no deltas"
-        anchors = f"anchors {row['anchors']}" if row["anchors"] else "no anchors"
-        _echo(f"{row['seq']:>6}  {row['time']}  {row['type']:<8} {deltas:<20} {anchors:<24} "
-                   f"{_human(row['bytes'])}  {row['reason']}")
+        lines.append((str(row["seq"]), row["time"], row["type"], f"deltas {ds[0]}-{ds[1]}" if ds else "no deltas",
+                      f"anchors {row['anchors']}" if row["anchors"] else "no anchors", human_bytes(row["bytes"]),
+                      row["reason"]))
+    # The first columns are as wide as their longest value; the reason, last, is free text.
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]) - 1)]
+    for line in lines:
+        cells = [cell.rjust(w) if i in (0, 5) else cell.ljust(w)  # numbers to the right
+                 for i, (cell, w) in enumerate(zip(line[:-1], widths, strict=True))]
+        _echo("  ".join([*cells, line[-1]]).rstrip())
 
 
 def _umask() -> int:
@@ -538,25 +588,70 @@ def write_output(out: Path, what: str, write: Callable[[IO[bytes], str], None]) 
     return size
 
 
+def _tie_key(name: str, t: Any) -> tuple[Any, ...]:
+    """Equal for the names of one tied weight (the same tensor under several names)."""
+    if t.numel() == 0:
+        return ("empty", name)  # empty tensors share no data, whatever their pointers say
+    return (t.device, t.untyped_storage().data_ptr(), t.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride()))
+
+
 def flatten_for_safetensors(state: dict[str, Any], with_optimizer: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """Model tensors (aliases copied, since safetensors refuses shared memory) and metadata."""
+    """The tensors and metadata of a ``.safetensors`` output, written as ``safetensors.torch.save_model`` would.
+
+    Tied weights (names of the same tensor, as ``materialize`` returns a chain's aliases) are
+    stored once, under the first of their names in sorted order, and each name left out is
+    recorded in the metadata as ``{left_out: kept}``, as ``save_model`` records it. So
+    ``safetensors.torch.load_model(model, path)`` loads the file, strictly, into a model whose
+    weights are tied the same way, and ``load_file`` gives every tensor once. Other tensors
+    that share memory are copied (safetensors refuses shared memory).
+    """
     import torch
 
+    model: dict[str, torch.Tensor] = state["model"]
+    ties: dict[tuple[Any, ...], list[str]] = {}
+    for name, t in model.items():
+        ties.setdefault(_tie_key(name, t), []).append(name)
+    left_out: dict[str, str] = {}
+    for names in ties.values():
+        kept, *others = sorted(names)
+        left_out.update((other, kept) for other in others)
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    for name, t in state["model"].items():
+    for name, t in model.items():
+        if name in left_out:
+            continue
         ptr = t.untyped_storage().data_ptr()
         tensors[name] = t.clone() if ptr in seen and t.numel() else t.contiguous()
         seen.add(ptr)
     metadata = {"ldformat.step": str(state["step"])}
+    for other, kept in sorted(left_out.items()):
+        metadata.setdefault(other, kept)
     if with_optimizer:
-        for i, entry in state["optimizer"]["state"].items():
-            for key, t in entry.items():
-                tensors[f"optimizer.state.{i}.{key}"] = t.contiguous()
         from ldformat.jsonvalue import encode
+        from ldformat.optstate import REF_PREFIX, split_state
 
-        metadata["optimizer.param_groups"] = json.dumps(encode(state["optimizer"]["param_groups"]))
+        groups = state["optimizer"]["param_groups"]
+        stored, structure = split_state(state["optimizer"], sum(len(g["params"]) for g in groups))
+        for name, t in stored.items():
+            if name.startswith(REF_PREFIX):  # a tensor inside the optimizer structure (spec §8.2)
+                tensors["optimizer." + name[len("optimizer/"):]] = t.contiguous()
+            else:
+                _, i, key = name.split("/", 2)
+                tensors[f"optimizer.state.{i}.{key}"] = t.contiguous()
+        metadata["optimizer.param_groups"] = json.dumps(encode(groups))
+        if structure is not None:  # what is not a per-parameter tensor, with $ref to the tensors above
+            metadata["optimizer.structure"] = json.dumps(structure)
     return tensors, metadata
+
+
+PROGRESS = click.option(
+    "--progress/--no-progress", "show_progress", default=None,
+    help=f"Draw a progress bar on stderr (default: only when stderr is a terminal; {PROGRESS_ENV}=1 "
+         "or 0 changes the default). Standard output never gets one.")
+
+
+def _progress_bar(show_progress: bool | None, labels: dict[str, str], byte_stages: tuple[str, ...] = ()) -> ProgressBar:
+    return ProgressBar(labels, enabled=progress_wanted(show_progress, sys.stderr), byte_stages=byte_stages)
 
 
 @cli.command()
@@ -565,12 +660,16 @@ def flatten_for_safetensors(state: dict[str, Any], with_optimizer: bool) -> tupl
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="Output file: .pt (torch.save of the whole state) or .safetensors (model state_dict).")
 @click.option("--with-optimizer", is_flag=True, help="With .safetensors: add the flattened optimizer state.")
+@PROGRESS
 @errors_to_exit_codes
-def materialize(chain: str, step: int | None, out: Path, with_optimizer: bool) -> None:
+def materialize(chain: str, step: int | None, out: Path, with_optimizer: bool, show_progress: bool | None) -> None:
     """Write the state of one step as a plain checkpoint file.
 
     A .pt file holds {"model", "optimizer", "step", "extra"} and loads with
-    torch.load(path, weights_only=True). The write is atomic.
+    torch.load(path, weights_only=True); "model" is a state_dict with every key, tied
+    weights included. A .safetensors file holds the model as safetensors.torch.save_model
+    writes it (tied weights once) and loads with safetensors.torch.load_model(model, path).
+    The write is atomic; the file gets the mode the umask gives (0666 & ~umask).
 
     Example: ldtools materialize runs/chain --step 120 -o step120.pt
     """
@@ -586,42 +685,59 @@ def materialize(chain: str, step: int | None, out: Path, with_optimizer: bool) -
     target = step if step is not None else reader.latest_step
     what = f"step {target}" if target is not None else "the output"
     check_output(out, what)
-    progress = _Progress(f"replaying to step {target}")
-    try:
-        with _about_step(target, "materializing"):
-            state = reader.materialize(step, progress=progress)
-    finally:
-        progress.close()
+    with (_progress_bar(show_progress, {"": f"replaying to step {target}"}) as bar,
+          _about_step(target, "materializing")):
+        state = reader.materialize(step, progress=bar)
     if suffix == ".safetensors":
         tensors, metadata = flatten_for_safetensors(state, with_optimizer)
         size = write_output(out, what, lambda f, tmp: safetensors.torch.save_file(tensors, tmp, metadata=metadata))
     else:
         size = write_output(out, what, lambda f, tmp: torch.save(state, f))
-    _echo(f"wrote step {state['step']} to {out} ({_human(size)})")
+    _echo(f"wrote step {state['step']} to {out} ({human_bytes(size)})")
 
 
 @cli.command()
 @CHAIN
 @click.option("--deep", is_flag=True, help="Also replay between anchors and compare bits with the stored anchors.")
+@click.option("--strict", is_flag=True,
+              help="Implies --deep, and fails (exit 1, the code of an invalid chain) when the deep check compared "
+                   "no anchor with a replay: with one anchor, or none reached by replay from another, --deep "
+                   "checks nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@PROGRESS
 @errors_to_exit_codes
-def validate(chain: str, deep: bool, as_json: bool) -> None:
+def validate(chain: str, deep: bool, strict: bool, as_json: bool, show_progress: bool | None) -> None:
     """Check every record and object of a chain. Exit 0 if valid, 1 if not.
+
+    --deep also replays the deltas from each anchor to the next one and compares the result
+    with that stored anchor, bit for bit; it says how many anchors it compared
+    ("anchors_compared" in --json). --strict fails when that number is 0.
 
     Example: ldtools validate runs/chain --deep
     """
-    progress = _Progress("validating")
-    try:
-        report = ldformat.validate(chain, deep=deep, progress=progress)
-    finally:
-        progress.close()
+    deep = deep or strict
+    labels = {"objects": "checking objects", "replay": "replaying to anchors"}
+    with _progress_bar(show_progress, labels) as bar:
+        report = ldformat.validate(chain, deep=deep, progress=bar)
+    compared = len(report.drift) if deep else None
+    if strict and report.ok and not compared:
+        report.problems.append(ldformat.Problem(report.path, None, (
+            f"--strict: the deep check compared no anchor with a replay ({len(report.anchors)} anchor(s), none "
+            "reached by replaying deltas from another), so nothing showed that replay reproduces the stored "
+            "state; validate again once the writer has stored a later anchor, or leave out --strict")))
     if as_json:
-        _echo(json.dumps(report.to_dict(), indent=2))
+        _echo(json.dumps({**report.to_dict(), "anchors_compared": compared, "strict": strict}, indent=2))
     else:
         for p in report.problems:
             _echo(str(p))
         if report.ok:
-            drift = f", replay at {len(report.drift)} anchors bit-exact" if deep else ""
+            if compared is None:
+                drift = ""
+            elif compared:
+                drift = f", replay at {compared} anchors bit-exact"
+            else:
+                drift = ("; --deep compared no anchor with a replay (none is reached by replay from another), "
+                         "so replay was not checked (--strict makes this an error)")
             _echo(f"ok: {report.steps} steps, {len(report.anchors)} anchors{drift}")
         else:
             _say(f"invalid: {len(report.problems)} problem(s)")
@@ -635,23 +751,22 @@ def validate(chain: str, deep: bool, as_json: bool) -> None:
               help="No step may need more than K deltas replayed; longer runs get new anchors.")
 @click.option("--keep-last", type=click.IntRange(min=1), default=None, help="Keep the newest N steps.")
 @click.option("--keep-every", type=click.IntRange(min=1), default=None, help="Also keep every M-th step.")
-@click.option("--dry-run", is_flag=True, help="Print the plan without changing anything.")
+@click.option("--dry-run", is_flag=True,
+              help="Print what the real run would do (the same counts and objects) without changing anything.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@PROGRESS
 @errors_to_exit_codes
 def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_every: int | None,
-            dry_run: bool, as_json: bool) -> None:
+            dry_run: bool, as_json: bool, show_progress: bool | None) -> None:
     """Fold delta runs into anchors, apply retention and remove garbage.
 
     Crash-safe and idempotent; every step that stays materializes bit-identically.
 
     Example: ldtools compact runs/chain --max-replay 50 --keep-last 200 --keep-every 1000
     """
-    progress = _Progress("writing anchors")
-    try:
+    with _progress_bar(show_progress, {"anchors": "writing anchors"}) as bar:
         plan = ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every,
-                                dry_run=dry_run, progress=progress)
-    finally:
-        progress.close()
+                                dry_run=dry_run, progress=bar)
     if as_json:
         _echo(json.dumps(plan.to_dict(), indent=2))
         return
@@ -687,8 +802,9 @@ def truncate(chain: str, after: int, yes: bool) -> None:
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@PROGRESS
 @errors_to_exit_codes
-def sync(src: str, dst: str, as_json: bool) -> None:
+def sync(src: str, dst: str, as_json: bool, show_progress: bool | None) -> None:
     """Replicate the chain SRC to DST, copying only what DST lacks (spec section 17.5).
 
     SRC is only read (a writer may append to it, a compaction rewrite it, meanwhile); DST is
@@ -698,19 +814,17 @@ def sync(src: str, dst: str, as_json: bool) -> None:
 
     Example: ldtools sync runs/chain /mnt/backup/chain
     """
-    progress = _Progress("syncing")
-    try:
-        report = ldformat.sync(src, dst, progress=progress)
-    finally:
-        progress.close()
+    with _progress_bar(show_progress, {"bytes": "copying"}, byte_stages=("bytes",)) as bar:
+        report = ldformat.sync(src, dst, progress=bar)
     if as_json:
         _echo(json.dumps(report.to_dict(), indent=2))
         return
     lag = "up to date" if report.up_to_date else (
         f"{report.src_last_seq - report.dst_last_seq} records ({report.lag_steps} steps) behind")
     deferred = "; garbage kept until a record is copied (the lock was taken over)" if report.garbage_deferred else ""
-    _echo(f"synced {report.records_copied} records, {report.objects_copied} objects ({_human(report.bytes_copied)}) "
-          f"copied, {report.objects_skipped} already there, {report.garbage_removed} removed; {report.dst} at step "
+    _echo(f"synced {report.records_copied} records, {report.objects_copied} objects "
+          f"({human_bytes(report.bytes_copied)}) copied, {report.objects_skipped} already there, "
+          f"{report.garbage_removed} removed; {report.dst} at step "
           f"{report.dst_latest_step}, {lag} ({report.src} at step {report.src_latest_step}); "
           f"{report.seconds:.1f} s{deferred}")
 

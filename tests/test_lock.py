@@ -177,11 +177,11 @@ def run_race_trial(workers: list[tuple[Any, Connection]], barrier: Any, job: dic
     first = [conn.recv() for _, conn in workers[:n]]
     # Every racer has now either been locked out or holds the lock; more than one holder is
     # the defect under test. Holders then commit one step and release.
-    for (_, conn), result in zip(workers[:n], first):
+    for (_, conn), result in zip(workers[:n], first, strict=True):
         if result["result"] == "holding":
             conn.send("finish")
     return [conn.recv() if result["result"] == "holding" else result
-            for (_, conn), result in zip(workers[:n], first)]
+            for (_, conn), result in zip(workers[:n], first, strict=True)]
 
 
 def check_race_outcome(results: list[dict[str, Any]], location: str, before: list[int], store: Any,

@@ -183,3 +183,31 @@ def test_unstorable_state_is_refused_before_training(tmp_path: Path) -> None:
     assert not (tmp_path / "chain").exists()
     assert torch.equal(torch.get_rng_state(), before)
     assert not optimizer.state  # the live optimizer never stepped
+
+
+def test_cli_outputs_keep_the_structure(tmp_path: Path) -> None:
+    """``materialize -o x.pt`` loads with ``weights_only=True`` and equals the live state_dict;
+    ``.safetensors --with-optimizer`` keeps the structure in its metadata."""
+    import json
+
+    import safetensors
+    from click.testing import CliRunner
+
+    from ldtools.cli import cli
+
+    seen = train(tmp_path / "chain", 3, mode="xor", batch_steps=1)
+    out = tmp_path / "s3.pt"
+    result = CliRunner().invoke(cli, ["materialize", str(tmp_path / "chain"), "--step", "3", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    loaded = torch.load(out, weights_only=True)
+    assert_same(seen[2]["optimizer"], loaded["optimizer"], "pt optimizer")
+    st = tmp_path / "s3.safetensors"
+    result = CliRunner().invoke(cli, ["materialize", str(tmp_path / "chain"), "--step", "3", "--with-optimizer",
+                                      "-o", str(st)])
+    assert result.exit_code == 0, result.output
+    with safetensors.safe_open(str(st), "pt") as f:
+        meta = f.metadata()
+        names = set(f.keys())
+    structure = json.loads(meta["optimizer.structure"])
+    assert set(structure) == {"state", "top"}
+    assert "optimizer.ref/state/0/history/0" in names and "optimizer.state.0.ema" in names

@@ -489,6 +489,12 @@ def test_max_bytes_is_kept_by_live_retention(tmp_path: Path) -> None:
         assert_state_bits_equal(reader.materialize(step), refs[step], f"step {step}")
     assert ldformat.validate(path).ok
     assert reader.materialize(14)["extra"]["policy"]["max_bytes"] == budget
+    from click.testing import CliRunner
+
+    from ldtools.cli import cli
+
+    text = CliRunner().invoke(cli, ["info", str(path)]).output
+    assert "max_lost_s" in text and "max_bytes" in text, text
 
 
 def test_max_bytes_too_small_is_refused_before_anything_is_written(tmp_path: Path) -> None:
