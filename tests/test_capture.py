@@ -806,3 +806,35 @@ def test_no_residual_warning_when_resuming_at_step_0(tmp_path: Path, caplog: pyt
     ldformat.Checkpointer(tmp_path / "chain", model, optimizer, mode="lowdiff", step=step).close()
     assert step == 0
     assert not [r for r in caplog.records if "residuals" in r.getMessage()]
+
+
+@pytest.mark.parametrize("mode", ["lowdiff+", "lowdiff", "xor"])
+def test_step_with_a_closure_is_captured_after_it(tmp_path: Path, mode: str) -> None:
+    """``optimizer.step(closure)`` (Lightning's way): forward and backward run inside the step,
+    so gradients are captured after the closure; every step materializes exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ck = ldformat.Checkpointer(tmp_path / "chain", model, optimizer, mode=mode, anchor_every=4, batch_steps=2)
+    refs = {}
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, 8):
+        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        if step % 2:
+            optimizer.step(closure)
+        else:
+            optimizer.step(closure=closure)
+        refs[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ck.close()
+    reader = ChainReader(tmp_path / "chain")
+    for step, ref in refs.items():
+        state = reader.materialize(step)
+        for name, t in ref.items():
+            assert torch.equal(bits_view(t), bits_view(state["model"][name])), (mode, step, name)

@@ -352,7 +352,8 @@ class Checkpointer:
         self._staged_versions = {}
         return buffers
 
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...],
+                  kwargs: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]] | None:
         started = time.perf_counter()
         self._raise_if_failed()
         if self._last_pre is not None:
@@ -363,21 +364,45 @@ class Checkpointer:
         pending = self._pending
         if pending is None:  # unreachable: _stage_buffers always leaves a pending step
             raise RuntimeError("ldformat capture has no pending step")
+        # torch passes step()'s own positional arguments with the optimizer first: (self, closure?)
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if callable(closure) and self.kind != "state.xor":
+            # optimizer.step(closure) (Lightning, LBFGS-style loops): the gradients exist only once
+            # the closure ran inside step(), so they are captured (and compressed) right after it.
+            def capture_after_closure() -> object:
+                try:
+                    loss = closure()
+                except BaseException:
+                    pending.stepped = False  # the optimizer will not step: nothing to replay
+                    raise
+                self._capture_gradients(optimizer, pending)
+                return loss
+
+            pending.pre_end = time.perf_counter()
+            self.stats.stall_s += pending.pre_end - started
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": capture_after_closure}
+            return (args[0], capture_after_closure, *args[2:]), kwargs
+        self._capture_gradients(optimizer, pending)
+        pending.pre_end = time.perf_counter()
+        self.stats.stall_s += pending.pre_end - started
+        return None
+
+    def _capture_gradients(self, optimizer: torch.optim.Optimizer, pending: _Pending) -> None:
+        """The gradients the optimizer is about to consume, and the hyperparameters it uses."""
         found_inf = getattr(optimizer, "found_inf", None)
         if found_inf is not None and float(found_inf) != 0.0:
             pending.stepped = False  # a fused optimizer skips this step (GradScaler found inf)
-        else:
-            self.writer.check_param_groups()
-            pending.hyper = encode_param_groups(optimizer, with_params=False)
-            inv_scale = inverse_scale(getattr(optimizer, "grad_scale", None))
-            if self._compress and self.compressor is not None:
-                self.compressor.compress_(self.model)
-            # A scaled gradient is multiplied into a new tensor: never the staged copy.
-            copy = self._stage_copy(pending.buffers, reuse_staged=inv_scale is None)
-            pending.tensors.update(capture_gradients(self._params, self._param_names, self.kind, self.compressor,
-                                                     copy, inv_scale=inv_scale))
-        pending.pre_end = time.perf_counter()
-        self.stats.stall_s += pending.pre_end - started
+            return
+        self.writer.check_param_groups()
+        pending.hyper = encode_param_groups(optimizer, with_params=False)
+        inv_scale = inverse_scale(getattr(optimizer, "grad_scale", None))
+        if self._compress and self.compressor is not None:
+            self.compressor.compress_(self.model)
+        # A scaled gradient is multiplied into a new tensor: never the staged copy.
+        copy = self._stage_copy(pending.buffers, reuse_staged=inv_scale is None)
+        pending.tensors.update(capture_gradients(self._params, self._param_names, self.kind, self.compressor,
+                                                 copy, inv_scale=inv_scale))
 
     def _capture_after_step(self, pending: _Pending) -> None:
         """Buffers (or the whole state for xor), RNG and data position: final after the step."""
