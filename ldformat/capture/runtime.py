@@ -139,7 +139,8 @@ class Checkpointer:
         truncate: with ``step=``, delete the chain's steps after ``step`` (training will
             redo them). Without it, such a chain raises :class:`UsageError` before anything
             is written.
-        extra: the user's own JSON-able dict, recorded as ``extra.user`` with every step.
+        extra: the user's own JSON-able dict, recorded as ``extra.user`` with every step; update
+            ``ck.user_extra`` between steps to record something new (each step records it as it is then).
         store: a :class:`Store` to write to instead of the directory ``path``.
         storage_options: settings of the object store at the URL ``path``, overriding its
             environment variables (see :class:`~ldformat.stores.ObjectStore`).
