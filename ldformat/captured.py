@@ -12,8 +12,11 @@ the training loop's side; appending it (XOR, encoding, commits) may run elsewher
 from __future__ import annotations
 
 import math
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import TypeAlias
 
 import numpy as np
@@ -157,3 +160,50 @@ def live_buffers(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torc
     """The live buffers ``names`` of ``model`` as ``model/<name>``: the optimizer never touches them."""
     sd = model.state_dict(keep_vars=True)
     return {f"model/{n}": sd[n] for n in names}
+
+
+# -- the optimizer's step, as its hooks see it ----------------------------------------------
+_TORCH_OPTIMIZER_FILE = os.path.join("torch", "optim", "optimizer.py")
+StepArgs: TypeAlias = "tuple[tuple[object, ...], dict[str, object]]"
+
+
+def nested_step(optimizer: object) -> bool:
+    """Whether the step hooks of ``optimizer`` run for a ``step()`` called inside its own
+    ``step()`` (a subclass whose ``step`` calls ``super().step()``: torch wraps both with the
+    hooks). Only the outermost call is a training step. Read from the stack rather than
+    counted, so that a step that raised (its post-hooks never run) leaves nothing behind."""
+    frame: FrameType | None = sys._getframe(1)
+    calls = 0
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wrapper" and code.co_filename.endswith(_TORCH_OPTIMIZER_FILE):
+            if frame.f_locals.get("self") is optimizer:
+                calls += 1
+                if calls > 1:
+                    return True
+        frame = frame.f_back
+    return False
+
+
+def around_closure(args: tuple[object, ...], kwargs: dict[str, object],
+                   after: Callable[[], None], failed: Callable[[], None]) -> StepArgs | None:
+    """For ``optimizer.step(closure)`` (Lightning, LBFGS-style loops), whose gradients exist only
+    once the closure ran inside ``step()``: the step's arguments with the closure replaced by
+    one that calls ``after()`` when it returns (``failed()`` when it raises); None without a
+    closure. ``args`` are what torch gives step pre-hooks: the optimizer, then step's own."""
+    closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        return None
+
+    def closure_then_capture() -> object:
+        try:
+            loss = closure()
+        except BaseException:
+            failed()
+            raise
+        after()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then_capture}
+    return (args[0], closure_then_capture, *args[2:]), kwargs

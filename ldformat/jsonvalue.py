@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -102,6 +103,11 @@ def encode(value: object, where: str = "value") -> JSON:
 
     A :class:`TensorRef` becomes ``{"$ref": name}`` (the optimizer structure of spec §8.2).
     """
+    if isinstance(value, enum.Enum):  # an IntEnum would come back as a plain int: say so instead
+        raise UnsupportedStateError(
+            f"{where}: {value!r} is an enum member; a reader could only return its value, not the "
+            f"{type(value).__name__} (spec §6.1): use the plain value"
+        )
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):

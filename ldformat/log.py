@@ -36,7 +36,7 @@ from .errors import (
 )
 from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, parse_json
 from .manifest import AnchorEntry, ChainState, DeltaEntry, Record, RootMetadata
-from .stores import Store
+from .stores import ObjectTooLargeError, Store
 
 ROOT_FILE = "ldformat.json"
 LOG_DIR = "log"
@@ -97,13 +97,10 @@ def log_sequence_numbers(store: Store) -> list[int]:
 
 def read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
     """Read a metadata file, refusing one larger than ``limit`` before reading it (spec §6.4)."""
-    size = store.size(path)
-    if size > limit:
-        raise FormatError(f"{where}: {size} bytes, more than the {limit} a reader accepts (spec §6.4)")
-    data = store.read(path)
-    if len(data) > limit:
-        raise FormatError(f"{where}: grew past {limit} bytes while being read")
-    return data
+    try:
+        return store.read_buffer(path, max_size=limit).tobytes()
+    except ObjectTooLargeError as e:
+        raise FormatError(f"{where}: {e.size} bytes, more than the {limit} a reader accepts (spec §6.4)") from None
 
 
 # -- root ----------------------------------------------------------------------------------

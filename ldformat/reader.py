@@ -33,7 +33,7 @@ from .jsonvalue import object_checksum
 from .log import read_log, read_root
 from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from .replay import Replayer
-from .stores import LocalStore, Store, parse_location
+from .stores import LocalStore, ObjectTooLargeError, Store, parse_location
 from .stores import open_store as _open_location
 
 T = TypeVar("T")
@@ -120,11 +120,10 @@ class ChainReader:
         path = f"{prefix}/{ref.path}" if prefix else ref.path
         where = f"{self.path}/{path}" + (f" (step {step})" if step is not None else "")
         try:
-            # The size first: an object larger than its record says is never read into memory.
-            size = self.store.size(path)
-            if size != ref.size:
-                raise CorruptChainError(f"{where}: size {size} differs from the committed {ref.size} (truncated?)")
-            data = self.store.read_buffer(path)
+            # An object larger than its record says is never read into memory.
+            data = self.store.read_buffer(path, max_size=ref.size)
+        except ObjectTooLargeError as e:
+            raise CorruptChainError(f"{where}: size {e.size} differs from the committed {ref.size}") from None
         except FileNotFoundError:
             raise MissingObjectError(
                 f"{where}: object is missing (deleted or never synced); restore it from a copy, or "

@@ -28,7 +28,16 @@ import numpy as np
 import torch
 
 from .anchor import anchor_parts
-from .captured import CapturedStep, CapturedTensor, capture_gradients, capture_tensors, live_buffers
+from .captured import (
+    CapturedStep,
+    CapturedTensor,
+    StepArgs,
+    around_closure,
+    capture_gradients,
+    capture_tensors,
+    live_buffers,
+    nested_step,
+)
 from .delta import MAX_COUNTS, BatchEncoder, tensor_bits
 from .environment import current_environment
 from .errors import (
@@ -331,10 +340,22 @@ class ChainWriter:
         if self.kind.startswith("grad."):
             refuse_tensor_hyperparameters(self.optimizer, self.kind)
 
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        if self._failed is not None:
-            return
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...],
+                  kwargs: dict[str, object]) -> StepArgs | None:
+        if self._failed is not None or nested_step(optimizer):
+            return None
         self._captures_since_record += 1
+        if self.kind.startswith("grad."):
+            def failed() -> None:
+                self._captured = None  # the optimizer will not step
+
+            wrapped = around_closure(args, kwargs, lambda: self._capture(optimizer), failed)
+            if wrapped is not None:
+                return wrapped
+        self._capture(optimizer)
+        return None
+
+    def _capture(self, optimizer: torch.optim.Optimizer) -> None:
         try:
             self.check_param_groups()
             self._captured = (encode_param_groups(optimizer, with_params=False), self.capture_gradients())

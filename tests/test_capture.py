@@ -763,7 +763,7 @@ def test_wrapped_objects_are_unwrapped(tmp_path: Path) -> None:
     the hooks fire on the optimizer that steps."""
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401  (the type unwrap_model knows)
 
-    class Wrapper(torch.optim.Optimizer):  # the shape of accelerate's AcceleratedOptimizer
+    class AcceleratedOptimizer(torch.optim.Optimizer):  # the shape of accelerate's
         def __init__(self, optimizer: torch.optim.Optimizer) -> None:
             self.optimizer = optimizer
 
@@ -781,7 +781,7 @@ def test_wrapped_objects_are_unwrapped(tmp_path: Path) -> None:
     inner = torch.nn.Linear(4, 2)
     compiled = torch.nn.Module()
     compiled._orig_mod = inner  # what torch.compile's OptimizedModule holds
-    optimizer = Wrapper(torch.optim.Adam(inner.parameters(), lr=0.1))
+    optimizer = AcceleratedOptimizer(torch.optim.Adam(inner.parameters(), lr=0.1))
     ck = ldformat.Checkpointer(tmp_path / "chain", compiled, optimizer, batch_steps=1)
     for _ in range(3):
         optimizer.optimizer.zero_grad()

@@ -211,3 +211,70 @@ def test_cli_outputs_keep_the_structure(tmp_path: Path) -> None:
     structure = json.loads(meta["optimizer.structure"])
     assert set(structure) == {"state", "top"}
     assert "optimizer.ref/state/0/history/0" in names and "optimizer.state.0.ema" in names
+
+
+def test_subclass_calling_super_step_is_one_step(tmp_path: Path) -> None:
+    """torch fires the step hooks for the subclass's step and again for ``super().step()``:
+    only the outer call is a training step, so every step materializes the live state."""
+
+    class Scaled(torch.optim.SGD):
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> Any:
+            loss = super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.mul_(0.999)  # work after the inner step, inside the outer one
+            return loss
+
+    torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)  # SGD.step is now hooked as well
+    for api in ("Checkpointer", "ChainWriter"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = Scaled(model.parameters(), lr=0.1, momentum=0.9)
+        path = tmp_path / api
+        if api == "Checkpointer":
+            ck: Any = ldformat.Checkpointer(path, model, optimizer, mode="xor", batch_steps=1)
+        else:
+            ck = ldformat.ChainWriter.create(path, model, optimizer, kind="state.xor", batch_steps=1)
+        seen = []
+        for step in range(1, 5):
+            optimizer.zero_grad()
+            model(torch.ones(3, 4)).square().sum().backward()
+            optimizer.step()
+            if api == "ChainWriter":
+                ck.record_step(step)  # refused if the hooks had counted two steps
+            seen.append(copy.deepcopy(model.state_dict()))
+        ck.close()
+        reader = ldformat.ChainReader(path)
+        assert reader.steps == [0, 1, 2, 3, 4]
+        for step, live in enumerate(seen, start=1):
+            assert_same(dict(live), dict(reader.materialize(step)["model"]), f"{api} step {step}")
+
+
+def test_enum_values_are_refused_not_flattened(tmp_path: Path) -> None:
+    import enum
+
+    class Norm(enum.IntEnum):
+        SPECTRAL = 1
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.param_groups[0]["norm"] = Norm.SPECTRAL
+    with pytest.raises(ldformat.UnsupportedStateError, match="enum"):
+        ldformat.Checkpointer(tmp_path / "chain", model, optimizer)
+    assert not (tmp_path / "chain").exists()
+
+
+def test_an_optimizer_holding_another_is_not_unwrapped(tmp_path: Path) -> None:
+    """Only framework wrappers are unwrapped: an optimizer that keeps another one as an
+    attribute (Magma over AdamW, Lookahead) is itself the training's optimizer."""
+    from ldformat.capture.unwrap import unwrap_optimizer
+
+    class Holding(torch.optim.SGD):
+        def __init__(self, params: Any) -> None:
+            params = list(params)
+            super().__init__(params, lr=0.1)
+            self.optimizer = torch.optim.AdamW(params)
+
+    optimizer = Holding(torch.nn.Linear(2, 2).parameters())
+    assert unwrap_optimizer(optimizer) is optimizer

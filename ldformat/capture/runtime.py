@@ -35,10 +35,12 @@ from ..captured import (
     CapturedStep,
     CapturedTensor,
     CopyToHost,
+    around_closure,
     capture_gradients,
     capture_tensors,
     inverse_scale,
     live_buffers,
+    nested_step,
 )
 from ..errors import LdformatError, UsageError
 from ..manifest import Kind
@@ -355,6 +357,8 @@ class Checkpointer:
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...],
                   kwargs: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]] | None:
+        if nested_step(optimizer):
+            return None  # super().step() inside a subclass's step: the outer call is the step
         started = time.perf_counter()
         self._raise_if_failed()
         if self._last_pre is not None:
@@ -365,25 +369,15 @@ class Checkpointer:
         pending = self._pending
         if pending is None:  # unreachable: _stage_buffers always leaves a pending step
             raise RuntimeError("ldformat capture has no pending step")
-        # torch passes step()'s own positional arguments with the optimizer first: (self, closure?)
-        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-        if callable(closure) and self.kind != "state.xor":
-            # optimizer.step(closure) (Lightning, LBFGS-style loops): the gradients exist only once
-            # the closure ran inside step(), so they are captured (and compressed) right after it.
-            def capture_after_closure() -> object:
-                try:
-                    loss = closure()
-                except BaseException:
-                    pending.stepped = False  # the optimizer will not step: nothing to replay
-                    raise
-                self._capture_gradients(optimizer, pending)
-                return loss
+        if self.kind != "state.xor":
+            def failed() -> None:
+                pending.stepped = False  # the optimizer will not step: nothing to replay
 
-            pending.pre_end = time.perf_counter()
-            self.stats.stall_s += pending.pre_end - started
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": capture_after_closure}
-            return (args[0], capture_after_closure, *args[2:]), kwargs
+            wrapped = around_closure(args, kwargs, lambda: self._capture_gradients(optimizer, pending), failed)
+            if wrapped is not None:
+                pending.pre_end = time.perf_counter()
+                self.stats.stall_s += pending.pre_end - started
+                return wrapped
         self._capture_gradients(optimizer, pending)
         pending.pre_end = time.perf_counter()
         self.stats.stall_s += pending.pre_end - started
@@ -417,6 +411,8 @@ class Checkpointer:
         pending.post_done = True
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        if nested_step(optimizer):
+            return
         started = time.perf_counter()
         pending = self._pending
         if pending is None or pending.post_done:

@@ -16,8 +16,10 @@ import torch
 
 T = TypeVar("T")
 
-# Attributes under which known wrappers keep the wrapped object, in the order tried.
-_OPTIMIZER_ATTRS = ("optimizer", "_optimizer")  # accelerate, Lightning
+# The wrappers unwrapped, by class name, and the attribute that holds the wrapped object. Only
+# these: an optimizer that merely holds another (Magma wraps AdamW, Lookahead its base) is
+# itself the optimizer whose state is the training state.
+_OPTIMIZER_WRAPPERS = {"AcceleratedOptimizer": "optimizer", "LightningOptimizer": "_optimizer"}
 _SCHEDULER_ATTRS = ("scheduler",)  # accelerate
 _MODEL_WRAPPERS: tuple[type[torch.nn.Module], ...] = (
     torch.nn.parallel.DistributedDataParallel,
@@ -26,8 +28,15 @@ _MODEL_WRAPPERS: tuple[type[torch.nn.Module], ...] = (
 
 
 def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The innermost ``torch.optim.Optimizer`` under wrapper optimizers."""
-    return _unwrap(optimizer, _OPTIMIZER_ATTRS, torch.optim.Optimizer)
+    """The optimizer under accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer``."""
+    seen = {id(optimizer)}
+    while True:
+        attr = _OPTIMIZER_WRAPPERS.get(type(optimizer).__name__)
+        inner = getattr(optimizer, attr, None) if attr is not None else None
+        if not isinstance(inner, torch.optim.Optimizer) or id(inner) in seen:
+            return optimizer
+        seen.add(id(inner))
+        optimizer = inner
 
 
 def unwrap_scheduler(scheduler: T) -> T:
@@ -55,12 +64,3 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         seen.add(id(inner))
         model = inner
 
-
-def _unwrap(obj: T, attrs: tuple[str, ...], kind: type) -> T:
-    seen = {id(obj)}
-    while True:
-        inner = next((getattr(obj, a) for a in attrs if isinstance(getattr(obj, a, None), kind)), None)
-        if inner is None or id(inner) in seen:
-            return obj
-        seen.add(id(inner))
-        obj = inner

@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ..errors import UsageError
-from .base import Part, Store, byte_view, check_relative_path
+from .base import ObjectTooLargeError, Part, Store, byte_view, check_relative_path
 from .faults import OPS, WRITES, Fault, FaultyStore, Op
 from .local import LocalStore
 from .memory import MemoryStore
@@ -136,6 +136,7 @@ __all__ = [
     "LocalStore",
     "Location",
     "MemoryStore",
+    "ObjectTooLargeError",
     "OBJECT_SCHEMES",
     "ObjectStore",
     "ObjectStoreError",

@@ -122,6 +122,20 @@ def check_relative_path(path: str) -> str:
     return path
 
 
+class ObjectTooLargeError(ValueError):
+    """An object is larger than the reader accepts (``read_buffer(path, max_size)``)."""
+
+    def __init__(self, size: int, max_size: int) -> None:
+        super().__init__(f"{size} bytes, more than the {max_size} accepted")
+        self.size = size
+        self.max_size = max_size
+
+
+def refuse_larger(size: int, max_size: int | None) -> None:
+    if max_size is not None and size > max_size:
+        raise ObjectTooLargeError(size, max_size)
+
+
 class Store(abc.ABC):
     """What the format needs from storage; the rules every method follows are in the
     module documentation above (paths, errors, durability, consistency, threads).
@@ -219,20 +233,29 @@ class Store(abc.ABC):
             OSError: the storage failed.
         """
 
-    def read_buffer(self, path: str) -> np.ndarray:
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         """The whole object as a one-dimensional, writable ``uint8`` array that the caller owns.
 
         "Owns": the array is a fresh buffer that nothing else references; changing it
         changes neither the object nor the result of any other read. Anchor loading turns
-        it into tensors without another copy. The default copies the result of
+        it into tensors without another copy. With ``max_size``, an object larger than that
+        is refused before its content is read (readers bound every allocation by what the
+        log says, spec §6.4, §21.4); an object store learns the size from the same request
+        that reads it. The default asks :meth:`size` first, then copies the result of
         :meth:`read` once.
 
         Raises:
             CorruptChainError: ``path`` is unsafe.
+            ObjectTooLargeError: the object is larger than ``max_size`` (its ``size`` says how large).
             FileNotFoundError: no object ``path``.
             OSError: the storage failed.
         """
-        return np.frombuffer(bytearray(self.read(path)), np.uint8)
+        if max_size is not None:
+            refuse_larger(self.size(path), max_size)
+        data = np.frombuffer(bytearray(self.read(path)), np.uint8)
+        if max_size is not None:
+            refuse_larger(len(data), max_size)  # it grew between the two requests
+        return data
 
     @abc.abstractmethod
     def size(self, path: str) -> int:

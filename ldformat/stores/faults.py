@@ -269,8 +269,8 @@ class FaultyStore(Store):
     def read(self, path: str) -> bytes:
         return self._call("read", [check_relative_path(path)], lambda: self.inner.read(path))
 
-    def read_buffer(self, path: str) -> np.ndarray:
-        return self._call("read_buffer", [check_relative_path(path)], lambda: self.inner.read_buffer(path))
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
+        return self._call("read_buffer", [check_relative_path(path)], lambda: self.inner.read_buffer(path, max_size))
 
     def size(self, path: str) -> int:
         return self._call("size", [check_relative_path(path)], lambda: self.inner.size(path))

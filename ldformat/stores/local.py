@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptChainError
-from .base import WRITEBACK_CHUNK, Part, Store, byte_view, check_relative_path
+from .base import WRITEBACK_CHUNK, Part, Store, byte_view, check_relative_path, refuse_larger
 
 #: How often making the parent directories and opening a new file is tried again when a
 #: concurrent :meth:`LocalStore.delete` removed a directory it emptied in between.
@@ -216,7 +216,7 @@ class LocalStore(Store):
         except NotADirectoryError:
             raise _no_object(target, "an object has the name of a directory above it") from None
 
-    def read_buffer(self, path: str) -> np.ndarray:
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         # One copy, from the page cache into uninitialized memory (a bytearray would be
         # zero-filled first: a second pass over the object).
         target = self._abs(path)
@@ -228,6 +228,7 @@ class LocalStore(Store):
             raise _no_object(target, "an object has the name of a directory above it") from None
         with f:
             size = os.fstat(f.fileno()).st_size
+            refuse_larger(size, max_size)
             buf = np.empty(size, np.uint8)
             got = 0
             with buf.data as view:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from ..errors import UsageError
-from .base import Part, Store, byte_view, check_relative_path
+from .base import Part, Store, byte_view, check_relative_path, refuse_larger
 
 
 class _Volume:
@@ -153,8 +153,10 @@ class MemoryStore(Store):
             raise _missing(path)
         return data
 
-    def read_buffer(self, path: str) -> np.ndarray:
-        return np.frombuffer(self.read(path), np.uint8).copy()
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
+        data = self.read(path)
+        refuse_larger(len(data), max_size)
+        return np.frombuffer(data, np.uint8).copy()
 
     def size(self, path: str) -> int:
         return len(self.read(path))

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from ..errors import UsageError
-from .base import Part, Store, byte_view, check_relative_path
+from .base import Part, Store, byte_view, check_relative_path, refuse_larger
 
 if TYPE_CHECKING:
     from obstore import GetOptions
@@ -389,7 +389,7 @@ class ObjectStore(Store):
         data: bytes = result.bytes().to_bytes()
         return data
 
-    def read_buffer(self, path: str) -> np.ndarray:
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         import obstore
 
         key = check_relative_path(path)
@@ -397,6 +397,7 @@ class ObjectStore(Store):
         def attempt(_: int) -> np.ndarray:
             self._count("read_buffer")
             result = obstore.get(self._store, key)
+            refuse_larger(result.meta["size"], max_size)  # before the body is read: one request, bounded
             if result.meta["size"] > self.range_threshold:
                 return self._get_large("read_buffer", key, result)
             return np.frombuffer(memoryview(result.bytes()), np.uint8).copy()
