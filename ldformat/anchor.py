@@ -42,6 +42,13 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    # format 1.2
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
 }
 _CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in SAFETENSORS_DTYPES.items()}

@@ -271,7 +271,10 @@ def _element_ranges(counts: np.ndarray, slots: tuple[SlotInfo, ...], first: int,
 # -- slot bounds (spec §10.3) ---------------------------------------------------------------
 _NP_DTYPES: dict[str, type[np.generic]] = {
     "bool": np.uint8, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
-    "float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64}
+    "float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64,
+    # format 1.2: their bits, by width
+    "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64, "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8, "complex64": np.uint64}
 # Counts entries of one batch: rows x slots, so `counts` holds at most 128 MiB (spec §10.5).
 MAX_COUNTS = 1 << 24
 # Indices are stored as uint32 gaps, and every index is below 2^32 (spec §10.1).

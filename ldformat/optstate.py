@@ -30,7 +30,8 @@ from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import JSON, Decoded, TensorRef, decode, dtype_name, encode
 
 REF_PREFIX = "optimizer/ref/"
-_MEMBERS = ("state", "top")
+_MEMBERS = ("state", "top", "absent")
+_STANDARD = ("state", "param_groups")
 
 
 def is_param_key(key: object, n_params: int) -> bool:
@@ -106,6 +107,9 @@ def split_state(sd: Mapping[Any, Any], n_params: int) -> tuple[dict[str, torch.T
         structure["state"] = encode(rest, "optimizer state")
     if top:
         structure["top"] = encode(top, "optimizer.state_dict()")
+    absent = [k for k in _STANDARD if k not in sd]  # an optimizer whose state_dict is its own (Magma)
+    if absent:
+        structure["absent"] = list(absent)
     return tensors, (structure or None)
 
 
@@ -123,7 +127,12 @@ def decode_structure(data: JSON, n_params: int, where: str) -> tuple[dict[Decode
     if data is None:
         return {}, {}
     if not isinstance(data, dict) or not set(data) <= set(_MEMBERS):
-        raise CorruptChainError(f"{where}: the optimizer structure is not an object of 'state' and 'top' (spec §8.2)")
+        raise CorruptChainError(f"{where}: the optimizer structure is not an object of 'state', 'top' and "
+                                "'absent' (spec §8.2)")
+    absent = data.get("absent", [])
+    if not isinstance(absent, list) or not set(absent) <= set(_STANDARD) or len(set(absent)) != len(absent):
+        raise CorruptChainError(f"{where}: the optimizer structure's absent must list 'state' or 'param_groups' "
+                                "at most once each (spec §8.2)")
     state = decode(data.get("state", {}), f"{where} optimizer structure")
     top = decode(data.get("top", {}), f"{where} optimizer structure")
     if not isinstance(state, dict) or not isinstance(top, dict):
@@ -206,7 +215,15 @@ def join_state(tensors: Mapping[str, torch.Tensor], structure: JSON, param_group
     ordered.update((k, v) for k, v in state.items() if not is_param_key(k, n_params))
     out: dict[Any, Any] = {"state": ordered, "param_groups": param_groups}
     out.update(_resolve(top, tensors, where))  # type: ignore[call-overload]
+    for key in absent_members(structure):
+        del out[key]
     return out
+
+
+def absent_members(structure: JSON) -> list[str]:
+    """The standard members (``state``, ``param_groups``) the optimizer's ``state_dict()`` lacks."""
+    absent = structure.get("absent", []) if isinstance(structure, dict) else []
+    return [k for k in absent if isinstance(k, str)] if isinstance(absent, list) else []
 
 
 def probe_unstorable_state(optimizer: torch.optim.Optimizer) -> None:

@@ -145,7 +145,7 @@ class Replayer:
             if t is None:
                 raise CorruptChainError(f"{where}: the anchor lacks model/{n}")
             params.append(_leaf(t))
-        state = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where)["state"]
+        state = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where).get("state", {})
         opt = build_optimizer(rules.cls, params, groups, state, where)
         self._params = params
         return opt
@@ -260,7 +260,7 @@ class ProxyReplayer:
         self.params = [_leaf(torch.zeros((1,) * len(shape), dtype=parse_dtype(dtype)))
                        for dtype, shape in (schema.param_meta(i) for i in range(len(schema.params)))]
         stand_ins = {n: stand_in(t) for n, t in anchor.items() if n.startswith("optimizer/")}
-        self.state = join_state(stand_ins, optimizer, [], len(schema.params), where)["state"]
+        self.state = join_state(stand_ins, optimizer, [], len(schema.params), where).get("state", {})
         self.param_groups = param_groups
         self.optimizer: torch.optim.Optimizer | None = None
 

@@ -265,7 +265,7 @@ def test_the_slots_of_every_golden_batch_pass() -> None:
 
 @pytest.mark.parametrize("kind, slots, why", [
     ("grad.topk", [slot("grad/0"), slot("grad/0")], "appears twice"),
-    ("grad.topk", [slot("grad/0", dtype="complex64")], "not one of spec §5.6.4"),
+    ("grad.topk", [slot("grad/0", dtype="complex128")], "not one of spec §5.6.4"),
     ("grad.topk", [slot("grad/0", encoding="dense")], "a grad.topk chain stores it as 'sparse'"),
     ("grad.dense", [slot("grad/0")], "a grad.dense chain stores it as 'dense'"),
     ("grad.topk", [slot("optimizer/0/exp_avg", encoding="xor")], "not a slot name a grad.topk chain uses"),
@@ -308,7 +308,7 @@ def test_optimizer_slots_may_hold_up_to_all_parameters() -> None:
     lambda s: s["optimizer"]["params"].append("nope"),
     lambda s: s["model"][0].update(shape=[-1]),
     lambda s: s["model"][0].update(shape=[0, 1 << 62, 1 << 62]),
-    lambda s: s["model"][0].update(dtype="complex64"),
+    lambda s: s["model"][0].update(dtype="complex128"),
     lambda s: s["model"].append(7),
 ])
 def test_check_slots_refuses_a_malformed_schema(mutate: Callable[[dict[str, Any]], None]) -> None:
