@@ -145,7 +145,8 @@ class Replayer:
             if t is None:
                 raise CorruptChainError(f"{where}: the anchor lacks model/{n}")
             params.append(_leaf(t))
-        state = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where).get("state", {})
+        joined = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where)
+        state = joined.get("state", {})
         opt = build_optimizer(rules.cls, params, groups, state, where)
         self._params = params
         return opt

@@ -347,7 +347,7 @@ def test_parse_json_agrees_with_json_loads_within_the_limits(value: Any, indent:
     ({"$tensor": {"dtype": "float32", "shape": [2], "data": "AAAA"}}, "3 bytes of data"),
     ({"$tensor": {"dtype": "float32", "shape": [0, 1 << 62, 1 << 62], "data": ""}}, "bytes of data for shape"),
     ({"$tensor": {"dtype": "bool", "shape": [1], "data": "Ag=="}}, "bool byte"),
-    ({"$tensor": {"dtype": "complex64", "shape": [], "data": ""}}, "unknown dtype"),
+    ({"$tensor": {"dtype": "complex128", "shape": [], "data": ""}}, "unknown dtype"),
     ({"$tensor": {"dtype": "uint8", "shape": [1], "data": "!!!!"}}, "$tensor"),
     ({"$tensor": [1]}, "$tensor"),
     ({"$float": "1.5"}, "$float"),
