@@ -555,10 +555,10 @@ class _Broken(MemoryStore):
             return
         super().create_exclusive(path, data)
 
-    def read_buffer(self, path: str) -> np.ndarray:
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         if self.defect == "read_buffer is read-only":
             return np.frombuffer(self.read(path), np.uint8)
-        return super().read_buffer(path)
+        return super().read_buffer(path, max_size)
 
     def list(self, prefix: str) -> list[str]:
         found = super().list(prefix)

@@ -336,12 +336,12 @@ class CompactsOnFirstRead(LocalStore):
         super().__init__(root)
         self.compacted = False
 
-    def read_buffer(self, path: str) -> np.ndarray:
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         if not self.compacted and path.startswith(("anchors/", "deltas/")):
             self.compacted = True
             plan = ldformat.compact(self.root, keep_last=3, max_replay=1)
             assert plan.committed and plan.removed_objects
-        return super().read_buffer(path)
+        return super().read_buffer(path, max_size)
 
 
 def test_source_compacted_while_it_is_copied(sources: dict[str, Live], tmp_path: Path) -> None:

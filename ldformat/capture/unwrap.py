@@ -31,7 +31,9 @@ def unwrap_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer under accelerate's ``AcceleratedOptimizer`` and Lightning's ``LightningOptimizer``."""
     seen = {id(optimizer)}
     while True:
-        attr = _OPTIMIZER_WRAPPERS.get(type(optimizer).__name__)
+        # By the names in the MRO: Lightning makes a subclass per optimizer class ("LightningAdamW").
+        attr = next((_OPTIMIZER_WRAPPERS[c.__name__] for c in type(optimizer).__mro__
+                     if c.__name__ in _OPTIMIZER_WRAPPERS), None)
         inner = getattr(optimizer, attr, None) if attr is not None else None
         if not isinstance(inner, torch.optim.Optimizer) or id(inner) in seen:
             return optimizer

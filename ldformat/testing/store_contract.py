@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from ..errors import CorruptChainError
-from ..stores.base import WRITEBACK_CHUNK, Part, Store
+from ..stores.base import WRITEBACK_CHUNK, ObjectTooLargeError, Part, Store
 
 __all__ = ["UNSAFE_PATHS", "StoreContract"]
 
@@ -225,6 +225,16 @@ class StoreContract(Generic[StoreT]):
         store.write("x/empty", b"")
         empty = store.read_buffer("x/empty")
         assert empty.dtype == np.uint8 and empty.shape == (0,)
+
+    def test_read_buffer_refuses_an_object_larger_than_max_size(self, store: StoreT) -> None:
+        data = payload(5, 1000)
+        store.write("anchors/2-0123abcd.safetensors", data)
+        assert store.read_buffer("anchors/2-0123abcd.safetensors", max_size=1000).tobytes() == data
+        with pytest.raises(ObjectTooLargeError) as caught:
+            store.read_buffer("anchors/2-0123abcd.safetensors", max_size=999)
+        assert caught.value.size == 1000 and caught.value.max_size == 999
+        with pytest.raises(FileNotFoundError):
+            store.read_buffer("anchors/missing", max_size=10)
 
     def test_size_follows_the_content(self, store: StoreT) -> None:
         store.write("x/obj", b"12345")
