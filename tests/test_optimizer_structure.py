@@ -91,6 +91,20 @@ def train(path: Path, steps: int, **kwargs: Any) -> list[dict[str, Any]]:
     return seen
 
 
+def record_run(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int,
+               **kwargs: Any) -> list[dict[str, Any]]:
+    """``steps`` steps on a fixed batch with a Checkpointer; the live optimizer state after each."""
+    ck = ldformat.Checkpointer(path, model, optimizer, **kwargs)
+    seen = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        seen.append(copy.deepcopy(optimizer.state_dict()))
+    ck.close()
+    return seen
+
+
 def test_xor_round_trip_is_structurally_exact(tmp_path: Path) -> None:
     seen = train(tmp_path / "chain", 7, mode="xor", anchor_every=4, batch_steps=2)
     reader = ldformat.ChainReader(tmp_path / "chain")
@@ -125,14 +139,7 @@ def test_empty_per_parameter_state_survives_gradient_replay(tmp_path: Path) -> N
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ck = ldformat.Checkpointer(tmp_path / "chain", model, optimizer, mode="lowdiff+", anchor_every=3, batch_steps=1)
-    seen = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-        seen.append(copy.deepcopy(optimizer.state_dict()))
-    ck.close()
+    seen = record_run(tmp_path / "chain", model, optimizer, 5, mode="lowdiff+", anchor_every=3, batch_steps=1)
     reader = ldformat.ChainReader(tmp_path / "chain")
     for step, live in enumerate(seen, start=1):
         assert_same(live, reader.materialize(step)["optimizer"], f"step {step}")
@@ -304,14 +311,7 @@ def test_unsigned_float8_and_complex64_state_round_trip(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 2)
     optimizer = Odd(model.parameters(), lr=0.1)
     path = tmp_path / "chain"
-    ck = ldformat.Checkpointer(path, model, optimizer, batch_steps=2, anchor_every=3)
-    seen = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        optimizer.step()
-        seen.append(copy.deepcopy(optimizer.state_dict()))
-    ck.close()
+    seen = record_run(path, model, optimizer, 5, batch_steps=2, anchor_every=3)
     reader = ldformat.ChainReader(path)
     for step, live in enumerate(seen, start=1):
         assert_same(live, reader.materialize(step)["optimizer"], f"step {step}")

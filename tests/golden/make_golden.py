@@ -317,15 +317,12 @@ def make_grad_topk(chain: Path) -> dict[int, dict[str, Any]]:
     return live
 
 
-def make_state_xor(chain: Path) -> dict[int, dict[str, Any]]:
-    """Adam (optimizer state appears at step 1), 8 steps, 3 per batch; then compacted with
-    keep_last=2, keep_every=3: steps 1, 2, 4, 5 are dropped and the xor deltas 0->3 and 3->6
-    are merged exactly (step entries whose base is not step - 1)."""
-    torch.manual_seed(0)
-    model = GoldenNet()
-    opt = adam(model)
+def write_xor_steps(chain: Path, model: GoldenNet, opt: torch.optim.Optimizer,
+                    anchor_every: int | None) -> dict[int, dict[str, Any]]:
+    """A state.xor chain of steps 0-8, 3 per batch; the live state of every step."""
     live: dict[int, dict[str, Any]] = {}
-    writer = ldformat.ChainWriter.create(chain, model, opt, kind="state.xor", batch_steps=3)
+    writer = ldformat.ChainWriter.create(chain, model, opt, kind="state.xor", batch_steps=3,
+                                         anchor_every=anchor_every)
     live[0] = capture(model, opt, 0, {}, None)
     for step in range(1, 9):
         forward_backward(model, opt, step, seed=1)
@@ -333,6 +330,16 @@ def make_state_xor(chain: Path) -> dict[int, dict[str, Any]]:
         writer.record_step(step, extra={"position": step})
         live[step] = capture(model, opt, step, {"position": step}, None)
     writer.close()
+    return live
+
+
+def make_state_xor(chain: Path) -> dict[int, dict[str, Any]]:
+    """Adam (optimizer state appears at step 1), 8 steps, 3 per batch; then compacted with
+    keep_last=2, keep_every=3: steps 1, 2, 4, 5 are dropped and the xor deltas 0->3 and 3->6
+    are merged exactly (step entries whose base is not step - 1)."""
+    torch.manual_seed(0)
+    model = GoldenNet()
+    live = write_xor_steps(chain, model, adam(model), anchor_every=None)
     plan = ldformat.compact(chain, keep_last=2, keep_every=3)
     if plan.merged_deltas != [(0, 3), (3, 6)] or plan.dropped_steps != [1, 2, 4, 5]:
         raise AssertionError(f"unexpected compaction plan {plan.to_dict()}")
@@ -443,16 +450,7 @@ def make_state_xor_structure(chain: Path) -> dict[int, dict[str, Any]]:
     xor deltas 0->3 are merged and step 6 becomes an anchor written by compaction."""
     torch.manual_seed(0)
     model = GoldenNet()
-    opt = quirky(model)
-    live: dict[int, dict[str, Any]] = {}
-    writer = ldformat.ChainWriter.create(chain, model, opt, kind="state.xor", batch_steps=3, anchor_every=4)
-    live[0] = capture(model, opt, 0, {}, None)
-    for step in range(1, 9):
-        forward_backward(model, opt, step, seed=1)
-        opt.step()
-        writer.record_step(step, extra={"position": step})
-        live[step] = capture(model, opt, step, {"position": step}, None)
-    writer.close()
+    live = write_xor_steps(chain, model, quirky(model), anchor_every=4)
     plan = ldformat.compact(chain, keep_last=2, keep_every=3, max_replay=1)
     if plan.merged_deltas != [(0, 3)] or plan.dropped_steps != [1, 2, 4, 5] or plan.new_anchors != [6]:
         raise AssertionError(f"unexpected compaction plan {plan.to_dict()}")
