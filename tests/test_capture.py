@@ -838,3 +838,25 @@ def test_step_with_a_closure_is_captured_after_it(tmp_path: Path, mode: str) -> 
         state = reader.materialize(step)
         for name, t in ref.items():
             assert torch.equal(bits_view(t), bits_view(state["model"][name])), (mode, step, name)
+
+
+def test_torch_compile_model_has_no_prefix(tmp_path: Path) -> None:
+    """A real ``torch.compile`` module (eager backend): names without ``_orig_mod.``, and
+    ``resume`` loads into the compiled module."""
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled = torch.compile(inner, backend="eager")
+    optimizer = torch.optim.Adam(compiled.parameters(), lr=0.01)
+    ck = ldformat.Checkpointer(tmp_path / "chain", compiled, optimizer, batch_steps=1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        compiled(torch.ones(3, 4)).sum().backward()
+        optimizer.step()
+    ck.close()
+    state = ChainReader(tmp_path / "chain").materialize()
+    assert sorted(state["model"]) == sorted(inner.state_dict())
+    fresh = torch.compile(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), backend="eager")
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    assert ldformat.resume(tmp_path / "chain", fresh, fresh_opt) == 3
+    for name, t in inner.state_dict().items():
+        assert torch.equal(bits_view(t), bits_view(fresh.state_dict()[f"_orig_mod.{name}"])), name
