@@ -209,7 +209,9 @@ def print_table(kind: str, run: dict[str, Any], m: dict[str, Any]) -> None:
     n = m["steps"]
     rows = [
         ("training", f"{len(run['losses'])} steps in {run['seconds']:.1f} s, loss {run['losses'][0]:.2f} -> "
-                     f"{run['losses'][-1]:.2f}"),
+                     f"{run['losses'][-1]:.2f}" + ("  (top-k gradients: this mode changes training; "
+                                                  "the other two train exactly as without ldformat)"
+                                                  if kind == "grad.topk" else "")),
         ("delta per step", f"{human(m['delta_per_step'])}  (one full checkpoint: {human(m['full'])}, "
                            f"{m['full'] / m['delta_per_step']:.1f}x larger)"),
         ("whole chain", f"{human(m['total'])} for {n} steps, anchors at {m['anchors']}  vs "
