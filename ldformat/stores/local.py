@@ -97,9 +97,17 @@ class LocalStore(Store):
             try:
                 os.makedirs(target.parent, exist_ok=True)
             except FileExistsError:
-                # exist_ok only covers directories: an object (a file) has the name of one.
-                raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} (an object has this name)",
-                                         str(target.parent)) from None
+                # exist_ok only covers directories: an object (a file) may have the name of one.
+                # Or a concurrent delete removed the directory between makedirs' mkdir and its
+                # isdir check: then there is no such object, and the attempt is repeated.
+                blocking = next((p for p in (target.parent, *target.parent.parents)
+                                 if os.path.lexists(p) and not os.path.isdir(p)), None)
+                if blocking is not None:
+                    raise NotADirectoryError(errno.ENOTDIR, f"{os.strerror(errno.ENOTDIR)} (an object has this name)",
+                                             str(blocking)) from None
+                if attempt == _RACE_RETRIES - 1:
+                    raise
+                continue
             except FileNotFoundError:
                 if attempt == _RACE_RETRIES - 1:
                     raise
