@@ -208,11 +208,11 @@ class Checkpointer:
             raise UsageError(f"mode {mode!r} takes no compressor; use mode='lowdiff' with a TopK compressor")
         if queue_depth < 1:
             raise UsageError("queue_depth must be >= 1")
-        if max_bytes is not None:
-            check_budget(max_bytes, unwrap_model(model), unwrap_optimizer(optimizer))
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
+        if max_bytes is not None:
+            check_budget(max_bytes, model, optimizer)
         self.path = str(path)
         self.mode = mode
         self.kind = MODES[mode]
