@@ -32,6 +32,7 @@ from .checks import (
 from .errors import ChainError, CorruptChainError, LdformatError, NotAChainError
 from .jsonvalue import JSONObject, crc32c_hex
 from .log import ROOT_FILE, log_path, log_sequence_numbers
+from .manifest import ObjectRef, SlotInfo
 from .optstate import check_structure
 from .reader import ChainReader, open_store
 from .replay import ProxyReplayer, stand_in
@@ -98,7 +99,19 @@ def _message(e: Exception) -> tuple[str, str]:
 
 #: Validations of one call: a validation that found a problem while the log moved (a
 #: concurrent commit, compaction or truncation) starts again, at most this many times in all.
-VALIDATE_ATTEMPTS = 5
+VALIDATE_ATTEMPTS = 10
+
+
+@dataclass
+class _Verified:
+    """Objects that passed their checks in an earlier attempt of one call, so that a restart
+    reads only what the moved log added. Objects are immutable under their names and the keys
+    hold every field of a reference, so a hit is the same bytes, verified."""
+
+    anchors: dict[tuple[ObjectRef, bool], tuple[dict[str, TensorMeta], dict[str, torch.Tensor],
+                                                 dict[str, torch.Tensor] | None]] = field(default_factory=dict)
+    batches: dict[tuple[str, tuple[ObjectRef, ...], tuple[SlotInfo, ...], int], np.ndarray] = field(
+        default_factory=dict)
 
 
 def validate(
@@ -118,7 +131,7 @@ def validate(
     real tensors. A validation that finds a problem re-reads the log; if the log moved
     meanwhile (a writer committed, or a compaction or truncation replaced it), the problem
     may come from reading two versions of the chain, so validation starts again (at most
-    :data:`VALIDATE_ATTEMPTS` times in all).
+    :data:`VALIDATE_ATTEMPTS` times in all), reading only the objects it has not verified yet.
 
     ``path`` may be a URL (``s3://bucket/prefix``, ...; ``storage_options`` override the
     object store's environment variables, see :func:`ldformat.stores.open_store`).
@@ -128,9 +141,10 @@ def validate(
     """
     store = open_store(path, store, storage_options)
     report = ValidationReport(path=str(path), deep=deep)
+    verified = _Verified()
     for attempt in range(VALIDATE_ATTEMPTS):
         head = _log_head(store)
-        report = _Validation(path, store, deep, progress).run()
+        report = _Validation(path, store, deep, progress, verified).run()
         if report.ok or attempt == VALIDATE_ATTEMPTS - 1:
             break
         if head is not None and _log_head(store) == head:
@@ -160,8 +174,9 @@ class _Validation:
     """One pass over a chain as one fold of its log shows it."""
 
     def __init__(self, path: str | os.PathLike[str], store: Store, deep: bool,
-                 progress: Callable[[str, int, int], None] | None) -> None:
+                 progress: Callable[[str, int, int], None] | None, verified: _Verified) -> None:
         self.path, self.store, self.deep, self.progress = path, store, deep, progress
+        self.verified = verified
         self.report = ValidationReport(path=str(path), deep=deep)
         # What the replay-path walk needs from the object checks:
         self.roots: dict[int, dict[str, torch.Tensor]] = {}  # anchor -> its optimizer/... tensors (stand-ins)
@@ -232,19 +247,23 @@ class _Validation:
         for step, entry in sorted(state.anchors.items()):
             where = f"{reader.path}/{entry.object.path}"
             try:
-                tensors = reader.load_anchor_tensors(step)
-                metas = tensor_metas(tensors)
+                key = (entry.object, self.deep)
+                if key not in self.verified.anchors:
+                    tensors = reader.load_anchor_tensors(step)
+                    roots = {n: stand_in(t) for n, t in tensors.items() if n.startswith("optimizer/")}
+                    self.verified.anchors[key] = (tensor_metas(tensors), roots, tensors if self.deep else None)
+                metas, roots, stored = self.verified.anchors[key]
                 if schema is not None:
                     check_anchor(schema, entry, metas, where, self.rules)
                 else:
                     model = {f"model/{e['name']}" for e in reader.root.schema.get("model", [])
                              if isinstance(e, dict) and e.get("alias_of") is None}
-                    if model - set(tensors):
-                        raise CorruptChainError(f"{where}: anchor lacks {sorted(model - set(tensors))[0]}")
+                    if model - set(metas):
+                        raise CorruptChainError(f"{where}: anchor lacks {sorted(model - set(metas))[0]}")
                 self.metas[step] = metas
-                self.roots[step] = {n: stand_in(t) for n, t in tensors.items() if n.startswith("optimizer/")}
-                if self.deep:
-                    self.stored[step] = tensors
+                self.roots[step] = roots
+                if stored is not None:
+                    self.stored[step] = stored
             except Exception as e:
                 _reraise_unless_problem(e)
                 self.problem(where, step, e)
@@ -254,8 +273,10 @@ class _Validation:
         for d in state.delta_entries():
             first = min(s.step for s in d.steps) if d.steps else None
             try:
-                batch = reader.load_batch(d, first)
-                self.presence[d.path] = batch.counts >= 0
+                batch_key = (d.path, d.objects, d.slots, d.rows)
+                if batch_key not in self.verified.batches:
+                    self.verified.batches[batch_key] = reader.load_batch(d, first).counts >= 0
+                self.presence[d.path] = self.verified.batches[batch_key]
             except Exception as e:
                 _reraise_unless_problem(e)
                 self.problem(d.path, first, e)
