@@ -26,6 +26,7 @@ from .errors import (
 )
 from .manifest import FORMAT_VERSION, KINDS
 from .reader import ChainReader
+from .sharded import ShardedReader, open_reader
 from .stores import LocalStore, Store
 from .topk import TopK
 from .validate import Problem, ValidationReport, validate
@@ -53,6 +54,7 @@ __all__ = [
     "OutputWriteError",
     "Problem",
     "ReplayEnvironmentWarning",
+    "ShardedReader",
     "StepNotFoundError",
     "Store",
     "TopK",
@@ -62,6 +64,7 @@ __all__ = [
     "ValidationReport",
     "WriterIOError",
     "compact",
+    "open_reader",
     "truncate",
     "validate",
 ]

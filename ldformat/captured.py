@@ -27,6 +27,7 @@ from .errors import UnsupportedStateError, UsageError
 from .jsonvalue import JSON as JSON  # re-exported: the type of a captured step's JSON parts
 from .jsonvalue import dtype_name, parse_dtype
 from .manifest import Kind
+from .shards import local
 from .topk import TopK
 
 CopyToHost: TypeAlias = Callable[[str, torch.Tensor], torch.Tensor]
@@ -114,9 +115,9 @@ def capture_gradients(
         raise UsageError("kind 'grad.topk' needs compressor=ldformat.TopK(...) (the one that compresses p.grad)")
     topk = compressor if kind == "grad.topk" else None
     for i, p in enumerate(params):
-        g = p.grad
-        if g is None:
+        if p.grad is None:
             continue
+        g = local(p.grad)  # the shard this rank's optimizer consumes (spec §20)
         if topk is not None:
             idx = topk.indices.get(names[i])
             if idx is None:

@@ -82,7 +82,7 @@ def batch_group_path(first: int, last: int) -> str:
     return f"deltas/{first}-{last}-{secrets.token_hex(4)}"
 
 
-def _numbered(store: Store, prefix: str, pattern: re.Pattern[str]) -> list[int]:
+def numbered(store: Store, prefix: str, pattern: re.Pattern[str]) -> list[int]:
     out = []
     for p in store.list(prefix):
         m = pattern.match(p)
@@ -92,7 +92,7 @@ def _numbered(store: Store, prefix: str, pattern: re.Pattern[str]) -> list[int]:
 
 
 def log_sequence_numbers(store: Store) -> list[int]:
-    return _numbered(store, LOG_DIR, _LOG_NAME)
+    return numbered(store, LOG_DIR, _LOG_NAME)
 
 
 def read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
@@ -308,7 +308,7 @@ class WriterLock:
         first_seen: dict[int, float] = {}
         attempts = 0
         while True:
-            generations = _numbered(store, LOCK_DIR, _LOCK_NAME)
+            generations = numbered(store, LOCK_DIR, _LOCK_NAME)
             current: LockOwner | None = None
             if generations:
                 g = generations[-1]
@@ -463,7 +463,7 @@ def _refuse_live_legacy_lock(store: Store, where: str, break_lock: bool) -> None
 
 def current_lock(store: Store, where: str = "") -> LockOwner | None:
     """The holder of the lock, or None if it is free (released, or never taken)."""
-    generations = _numbered(store, LOCK_DIR, _LOCK_NAME)
+    generations = numbered(store, LOCK_DIR, _LOCK_NAME)
     if not generations:
         return None
     try:

@@ -28,6 +28,7 @@ import torch
 
 from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import JSON, Decoded, TensorRef, decode, dtype_name, encode
+from .shards import local
 
 REF_PREFIX = "optimizer/ref/"
 _MEMBERS = ("state", "top", "absent")
@@ -47,7 +48,7 @@ def _checked(t: torch.Tensor, what: str) -> torch.Tensor:
     if not _storable(t):
         raise UnsupportedStateError(f"{what} is not a dense strided tensor; format 1.x stores dense tensors only")
     dtype_name(t.dtype)  # refuses dtypes the format has no name for
-    return t.detach()
+    return local(t).detach()  # a DTensor's local shard (spec §20)
 
 
 def _segment(key: object) -> str:

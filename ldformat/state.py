@@ -21,6 +21,7 @@ import torch
 
 from .errors import UnsupportedStateError, UsageError
 from .jsonvalue import JSON, Decoded, dtype_name, encode
+from .shards import local
 
 Role = Literal["parameter", "buffer"]
 """The role of a ``schema.model`` entry (spec §5.6.1)."""
@@ -57,7 +58,7 @@ def model_schema(model: torch.nn.Module) -> list[ModelEntry]:
     params = dict(model.named_parameters(remove_duplicate=False))
     seen: dict[int, str] = {}
     entries: list[ModelEntry] = []
-    for name, value in model.state_dict(keep_vars=True).items():
+    for name, value in model.state_dict(keep_vars=True).items():  # a DTensor: its local shard (spec §20)
         if not isinstance(value, torch.Tensor):
             raise UnsupportedStateError(
                 f"model state {name!r} is a {type(value).__name__}, not a tensor; "
@@ -68,6 +69,7 @@ def model_schema(model: torch.nn.Module) -> list[ModelEntry]:
         alias_of = seen.get(id(value))
         if alias_of is None:
             seen[id(value)] = name
+        value = local(value)
         entries.append(
             {
                 "name": name,
@@ -87,7 +89,7 @@ def _refuse_partial_overlap(model: torch.nn.Module, entries: list[ModelEntry]) -
     for e in entries:
         if e["alias_of"] is not None:
             continue
-        t = sd[e["name"]]
+        t = local(sd[e["name"]])
         if t.numel() == 0:
             continue
         ptr = t.untyped_storage().data_ptr()
@@ -105,7 +107,7 @@ def live_model_tensors(model: torch.nn.Module, schema: Sequence[ModelEntry]) -> 
     out = {}
     for e in schema:
         if e["alias_of"] is None:
-            out[f"model/{e['name']}"] = sd[e["name"]].detach()
+            out[f"model/{e['name']}"] = local(sd[e["name"]]).detach()
     return out
 
 

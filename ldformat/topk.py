@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from .shards import local
+
 
 class TopK:
     """Top-k compressor with per-parameter error feedback.
@@ -69,9 +71,10 @@ class TopK:
         for name, p in model.named_parameters():
             if p.grad is None:
                 continue
-            if not p.grad.is_contiguous():
+            grad = local(p.grad)  # a DTensor's shard: top-k is per shard (spec §20)
+            if not grad.is_contiguous():
                 raise ValueError(f"TopK: gradient of {name!r} is not contiguous")
-            flat = p.grad.view(-1)
+            flat = grad.view(-1)
             idx, values = self.select(name, flat)
             flat.zero_()
             flat[idx] = values

@@ -20,12 +20,15 @@ from ..log import ROOT_FILE
 from ..manifest import Kind
 from ..reader import ChainReader
 from ..replicate import ReplicaDivergedError, sync
+from ..sharded import ShardedReader, assemble_state, is_sharded
+from ..shards import has_dtensors
 from ..stores import Store, location_name, parse_location
 from ..stores import open_store as open_location
 from ..topk import TopK
 from ..writer import ChainWriter
 from .extra import Stateful
 from .rng import restore_rng
+from .sharded import load_full_state
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 log = logging.getLogger("ldformat.capture")
@@ -116,6 +119,10 @@ def resume(
     truncated and re-recorded by the resumed run.
     """
     path, store = _chain_store(path, store, storage_options)
+    if store is None and mirror is None and is_sharded_chain(path, storage_options):
+        return _resume_sharded(path, model, optimizer, scheduler=scheduler, scaler=scaler,
+                               data=data if data is not None else sampler, compressor=compressor, exact=exact,
+                               step=step, storage_options=storage_options)
     if mirror is not None:
         reader = _newest(path, store, mirror, mirror_options)
         if reader is None:
@@ -132,8 +139,11 @@ def resume(
         raise StepNotFoundError(f"{path}: step {step} is not in the chain")
     state = reader.materialize(step)
     model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    if has_dtensors(model):  # a sharded model takes its slices of the full state
+        load_full_state(model, optimizer, state)
+    else:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     extra = state["extra"]
     if scheduler is not None and "scheduler" in extra:
         scheduler.load_state_dict(extra["scheduler"])
@@ -148,6 +158,58 @@ def resume(
         compressor.load_residuals(residuals)
     if "rng" in extra:
         restore_rng(extra["rng"])
+    return step
+
+
+def is_sharded_chain(path: str, storage_options: dict[str, Any] | None) -> bool:
+    loc = parse_location(path)
+    if loc.path is not None and not loc.path.is_dir():
+        return False
+    try:
+        return is_sharded(open_location(path, storage_options=storage_options))
+    except LdformatError:
+        return False
+
+
+def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                    scheduler: Stateful | None, scaler: Stateful | None, data: Stateful | None,
+                    compressor: TopK | None, exact: bool, step: int | None,
+                    storage_options: dict[str, Any] | None) -> int:
+    """:func:`resume` from a sharded chain, at this run's world size and mesh (spec §20.6)."""
+    import torch.distributed as dist
+
+    reader = ShardedReader(path, storage_options=storage_options)
+    if reader.latest_step is None:
+        return 0
+    if step is None:
+        step = reader.anchors[-1] if exact else reader.latest_step
+    elif step not in reader.steps:
+        raise StepNotFoundError(f"{path}: step {step} is not a committed step of the sharded chain")
+    parts = reader.materialize_ranks(step)
+    state = assemble_state(reader.root, parts, f"{path} (step {step})", reader.ranks[0].root.schema)
+    model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
+    load_full_state(model, optimizer, state)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    same = world == reader.world_size
+    own = parts[rank]["extra"] if same else parts[0]["extra"]
+    if scheduler is not None and "scheduler" in own:
+        scheduler.load_state_dict(own["scheduler"])
+    if scaler is not None and "scaler" in own:
+        scaler.load_state_dict(own["scaler"])
+    if same:
+        if data is not None and own.get("data") is not None:
+            data.load_state_dict(own["data"])
+        if "rng" in own:
+            restore_rng(own["rng"])
+        if compressor is not None:
+            compressor.load_residuals(parts[rank].get("compressor", {}))
+    else:
+        log.warning("%s: written at world size %d, resumed at %d: model and optimizer are restored exactly; "
+                    "RNG states, data positions and top-k residuals are per rank and are not restored",
+                    path, reader.world_size, world)
+        if compressor is not None:
+            compressor.load_residuals({})
     return step
 
 

@@ -44,9 +44,11 @@ from ..captured import (
 )
 from ..errors import LdformatError, UsageError
 from ..manifest import Kind
+from ..shards import has_dtensors, local
 from ..state import encode_param_groups
 from ..stores import Store
 from ..topk import TopK
+from ..writer import build_schema
 from .background import BackgroundWriter, Queued
 from .ddp import peer_residual_tensors, world_size
 from .extra import Stateful, loop_extra
@@ -56,6 +58,8 @@ from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
 from .resume import open_writer
 from .rng import capture_rng
+from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, commit_now
+from .sharded import setup as sharded_setup
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
@@ -161,6 +165,14 @@ class Checkpointer:
         mirror_options: ``storage_options`` of the object store at ``mirror``.
         mirror_timeout: :meth:`close` commits locally, then waits at most this many seconds
             for one final sync, and warns if the mirror is still behind.
+        commit_timeout: sharded models only: :meth:`close` on rank 0 waits at most this many
+            seconds for every rank's last step before it commits it for all.
+
+    Sharded models (FSDP2 ``fully_shard``, tensor parallel, both): every rank constructs the
+    Checkpointer with the same ``path`` (a collective) and calls :meth:`close`. Each rank
+    writes its local shards into its own chain under ``path``; rank 0 commits a step for all
+    ranks once every rank holds it (spec §20). ``mode='xor'`` works with any optimizer; the
+    gradient modes with elementwise ``torch.optim`` optimizers (others are refused up front).
 
     Example:
         >>> ck = Checkpointer("runs/chain", model, optimizer, mode="lowdiff")   # doctest: +SKIP
@@ -201,6 +213,7 @@ class Checkpointer:
         mirror: Location | None = None,
         mirror_options: dict[str, Any] | None = None,
         mirror_timeout: float = DEFAULT_MIRROR_TIMEOUT_S,
+        commit_timeout: float = DEFAULT_COMMIT_TIMEOUT_S,
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
@@ -227,7 +240,18 @@ class Checkpointer:
         self.compressor = compressor if compressor is not None else (TopK(topk_ratio) if mode == "lowdiff" else None)
         self._compress = compress and mode == "lowdiff"
         self.process_group = process_group
-        self.world_size = world_size(process_group)
+        self.sharded = has_dtensors(model)
+        self._committer: Committer | None = None
+        if self.sharded:  # every rank writes its own chain of local shards (spec §20)
+            if mirror is not None or max_bytes is not None or store is not None or step is not None:
+                raise UsageError("with a sharded model (DTensor parameters), mirror=, max_bytes=, store= and step= "
+                                 "are not supported; resume with ldformat.resume() and checkpoint to the same path")
+            compressor_ = self.compressor
+            sharded = sharded_setup(self.path, model, optimizer, kind=self.kind, group=process_group,
+                                    storage_options=storage_options,
+                                    check=lambda: build_schema(model, optimizer, self.kind, compressor_))
+            path, step, truncate = sharded.rank_path, sharded.committed, True
+        self.world_size = 1 if self.sharded else world_size(process_group)
         if self.world_size > 1 and (mode != "lowdiff" or anchor_every == "auto"):
             raise UsageError(
                 "with several ranks, run Checkpointer on rank 0 in mode 'lowdiff' with an integer anchor_every, "
@@ -249,11 +273,15 @@ class Checkpointer:
         self._last_step_bytes = 0
 
         started = time.perf_counter()
-        self.writer = open_writer(self.path, model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
+        self.writer = open_writer(str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
                                   compressor=self.compressor, batch_steps=self.batch_steps, store=store,
                                   first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
                                   storage_options=storage_options)
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
+        if self.sharded:
+            if sharded.rank == 0:
+                self._committer = Committer(self.path, sharded.world_size, storage_options)
+            commit_now(self._committer, process_group, self.writer.durable_step)
         self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
@@ -282,6 +310,7 @@ class Checkpointer:
             # place without bumping their version counters: re-copy every staged gradient.
             self._hooks.call_after(scaler, "unscale_", lambda: self._staged_versions.clear())
         self.mirror_timeout = mirror_timeout
+        self.commit_timeout = commit_timeout
         self._mirror: Mirror | None = None
         if mirror is not None:
             self._mirror = Mirror(store if store is not None else self.path, mirror, stats=self.stats,
@@ -289,7 +318,8 @@ class Checkpointer:
                                   dst_options=mirror_options)
             self._mirror.committed(self.writer.durable_step)  # the chain as opened (or just created)
         self._background = BackgroundWriter(self.writer, self.pool, self.stats, self.tuning, self._replica,
-                                            on_commit=self._mirror.committed if self._mirror is not None else None)
+                                            on_commit=self._mirror.committed if self._mirror is not None
+                                            else self._committer.nudge if self._committer is not None else None)
         self._queue, self._thread = self._background.queue, self._background.thread
         open_at_exit.add(self)
 
@@ -326,8 +356,9 @@ class Checkpointer:
             started = time.perf_counter()
             buffers = self._stage_buffers()
             name = f"grad/{index}"
-            self.stager.copy(buffers.buffer(name, p.grad), p.grad)
-            self._staged_versions[name] = (p.grad._version, p.grad.data_ptr())
+            grad = local(p.grad)
+            self.stager.copy(buffers.buffer(name, grad), grad)
+            self._staged_versions[name] = (grad._version, grad.data_ptr())
             self.stats.stall_s += time.perf_counter() - started
 
         return hook
@@ -558,13 +589,19 @@ class Checkpointer:
             self.writer.abort()
             if self._mirror is not None:
                 self._mirror.close(0.0)
+            if self._committer is not None:
+                self._committer.finish(None, 0.0)
             self._raise_if_failed()
         try:
             step = self.writer.close()
         except BaseException:
             if self._mirror is not None:
                 self._mirror.close(0.0)
+            if self._committer is not None:
+                self._committer.finish(None, 0.0)
             raise
+        if self._committer is not None:  # every rank's last step, committed for all (spec §20.3)
+            return self._committer.finish(step, self.commit_timeout)
         if self._mirror is not None:
             self._mirror.committed(step)
             self._mirror.close(self.mirror_timeout)

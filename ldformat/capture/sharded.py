@@ -1,0 +1,333 @@
+"""Sharded capture (spec §20): every rank checkpoints its own shards, rank 0 commits for all.
+
+Each rank's :class:`~ldformat.Checkpointer` writes an ordinary chain of its local tensors at
+``<chain>/ranks/<rank>``. Rank 0 also creates the layout (``sharded.json``) and runs a
+:class:`Committer` that reads every rank chain's log and creates a global commit record for
+the newest step that all of them hold durably. Nothing here is a collective after the
+constructor: a rank that dies leaves its step uncommitted, and the others go on to fail
+where training fails (their next collective).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import LdformatError, UnsupportedStateError, UsageError
+from ..log import log_sequence_numbers, read_log, read_record
+from ..manifest import ChainState
+from ..sharded import (
+    Commit,
+    ShardedRoot,
+    create_commit,
+    create_sharded_root,
+    is_sharded,
+    newest_commit,
+    rank_location,
+    read_sharded_root,
+)
+from ..shards import Layout, Shard, is_dtensor, local, local_shard
+from ..stores import Store, open_store, parse_location
+
+log = logging.getLogger("ldformat.capture")
+
+#: torch.optim classes whose update is elementwise per parameter, so that replaying each
+#: rank's gradient shard on its own reproduces the sharded step bit for bit (spec §20.5).
+ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
+                         "ASGD"})
+#: How often rank 0's committer looks at the rank chains between its own commits.
+POLL_S = 0.5
+#: How long ``close()`` on rank 0 waits for the other ranks' last commit.
+DEFAULT_COMMIT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class ShardedSetup:
+    rank: int
+    world_size: int
+    rank_path: str  # this rank's chain
+    committed: int | None  # the newest commit's step: the rank chain continues from it
+
+
+def _group_rank0(group: Any) -> int:
+    import torch.distributed as dist
+
+    return int(dist.get_global_rank(group, 0)) if group is not None else 0
+
+
+def _refuse_optimizer(optimizer: torch.optim.Optimizer, kind: str) -> None:
+    cls = type(optimizer)
+    if kind.startswith("grad.") and not (cls.__module__.startswith("torch.optim") and cls.__name__ in ELEMENTWISE):
+        raise UnsupportedStateError(
+            f"mode with kind {kind!r} replays each rank's gradient shard on its own, which is exact only for "
+            f"optimizers whose update is elementwise ({', '.join(sorted(ELEMENTWISE))} of torch.optim); "
+            f"{cls.__module__}.{cls.__name__} is not one of them: use mode='xor' with a sharded model"
+        )
+
+
+def _own_layout(model: torch.nn.Module, rank: int) -> dict[str, tuple[str, list[int], list[int], list[int]]]:
+    from ..jsonvalue import dtype_name
+
+    out = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in seen or not is_dtensor(t):
+            continue
+        seen.add(id(t))
+        offsets, lengths = local_shard(t)
+        out[f"model/{name}"] = (dtype_name(t.dtype), list(t.shape), list(offsets), list(lengths))
+    return out
+
+
+def _mesh(model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    for t in model.state_dict(keep_vars=True).values():
+        if is_dtensor(t):
+            mesh = t.device_mesh
+            names = mesh.mesh_dim_names
+            return tuple(int(n) for n in mesh.shape), None if names is None else tuple(str(n) for n in names)
+    raise UsageError("the model has no DTensor state, so it is not sharded")
+
+
+def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, kind: str, group: Any,
+          storage_options: dict[str, Any] | None, check: Any) -> ShardedSetup:
+    """Agree with every rank on the layout and create (or check) ``sharded.json``.
+
+    Collective: every rank of ``group`` calls it. ``check()`` runs each rank's own refusals
+    (the schema of its rank chain) first, so that a refusal anywhere leaves nothing on disk.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise UsageError("a model with DTensor parameters is sharded: initialize torch.distributed first")
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    src = _group_rank0(group)
+    error: BaseException | None = None
+    mine: Any = None
+    try:
+        _refuse_optimizer(optimizer, kind)
+        check()
+        mine = _own_layout(model, rank)
+    except LdformatError as e:
+        error = e
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (error, mine), group=group)
+    for refused, _ in gathered:
+        if refused is not None:
+            raise refused
+    if rank == 0:
+        layouts: dict[str, Layout] = {}
+        for r, (_, own) in enumerate(gathered):
+            for name, (dtype, shape, offsets, lengths) in own.items():
+                lay = layouts.get(name)
+                shard = Shard(r, tuple(offsets), tuple(lengths))
+                layouts[name] = Layout(dtype, tuple(shape), (*(lay.shards if lay else ()), shard))
+        mesh_shape, dim_names = _mesh(model)
+        root = ShardedRoot(chain_id=os.urandom(16).hex(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           kind=kind, world_size=world, mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts)
+        try:
+            _create_or_check(path, root, storage_options)
+        except LdformatError as e:
+            error = e
+    box: list[Any] = [error]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if box[0] is not None:
+        raise box[0]
+    store = _top_store(path, storage_options)
+    last = newest_commit(store, path)
+    return ShardedSetup(rank=rank, world_size=world, rank_path=rank_location(path, rank),
+                        committed=None if last is None else last.step)
+
+
+def _top_store(path: str, storage_options: dict[str, Any] | None) -> Store:
+    loc = parse_location(path)
+    if loc.path is not None:
+        loc.path.mkdir(parents=True, exist_ok=True)
+    return open_store(path, storage_options=storage_options)
+
+
+def _create_or_check(path: str, root: ShardedRoot, storage_options: dict[str, Any] | None) -> None:
+    from ..log import ROOT_FILE
+
+    store = _top_store(path, storage_options)
+    if not is_sharded(store):
+        if store.exists(ROOT_FILE):
+            raise UsageError(f"{path}: holds an unsharded chain; a sharded model checkpoints to a new path")
+        create_sharded_root(store, root, path)
+        return
+    have = read_sharded_root(store, path)
+    if have.kind != root.kind:
+        raise UsageError(f"{path}: the chain has kind {have.kind}; this mode writes {root.kind}")
+    if have.world_size != root.world_size or have.tensors != root.tensors:
+        raise UsageError(
+            f"{path}: the chain was written at world size {have.world_size} with mesh {list(have.mesh_shape)} "
+            f"and a different layout than this run's (world size {root.world_size}, mesh {list(root.mesh_shape)}); "
+            "resume from it with ldformat.resume() and checkpoint the resharded run to a new path"
+        )
+
+
+class _RankLog:
+    """What one rank chain's log says, read incrementally (only records newer than the last poll)."""
+
+    def __init__(self, location: str, storage_options: dict[str, Any] | None) -> None:
+        self.where = location
+        self.store = open_store(location, storage_options=storage_options)
+        self.state: ChainState | None = None
+
+    def refresh(self) -> ChainState:
+        seqs = log_sequence_numbers(self.store)
+        state = self.state
+        if state is None or not seqs or seqs[0] > state.last_seq + 1 or state.last_seq not in seqs:
+            _, state = read_log(self.store, self.where)
+        else:
+            for seq in seqs:
+                if seq > state.last_seq:
+                    state.apply(read_record(self.store, seq, self.where))
+        self.state = state
+        return state
+
+
+class Committer:
+    """Rank 0's global commits (spec §20.3): a step is committed once every rank chain holds it."""
+
+    def __init__(self, path: str, world_size: int, storage_options: dict[str, Any] | None) -> None:
+        self.path = path
+        self.store = _top_store(path, storage_options)
+        self.ranks = [_RankLog(rank_location(path, r), storage_options) for r in range(world_size)]
+        self.last: Commit | None = newest_commit(self.store, path)
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="ldformat-committer", daemon=True)
+        self._thread.start()
+
+    @property
+    def committed(self) -> int | None:
+        return None if self.last is None else self.last.step
+
+    def nudge(self, _step: int | None = None) -> None:
+        """Rank 0 committed in its own chain: look at the others now."""
+        self._wake.set()
+
+    def common_step(self) -> tuple[int | None, list[int]]:
+        """The newest step every rank chain holds, and the ranks that hold less than the newest of all."""
+        states = [r.refresh() for r in self.ranks]
+        latest = [s.latest_step for s in states]
+        if any(x is None for x in latest):
+            return None, [r for r, x in enumerate(latest) if x is None]
+        newest = max(x for x in latest if x is not None)
+        behind = [r for r, x in enumerate(latest) if x != newest]
+        low = min(x for x in latest if x is not None)
+        if all(low in s.anchors or low in s.deltas for s in states):
+            return low, behind
+        common = set(states[0].steps)
+        for s in states[1:]:
+            common &= set(s.steps)
+        return (max(common) if common else None), behind
+
+    def poll(self) -> int | None:
+        """Commit the newest step all ranks hold, if it is newer than the last commit."""
+        with self._lock:
+            step, _ = self.common_step()
+            if step is not None and (self.last is None or step > self.last.step):
+                self.last = create_commit(self.store, self.path, step, self.last)
+            return self.committed
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            if self._stop:
+                break
+            try:
+                self.poll()
+                self.error = None
+            except Exception as e:  # retried at the next poll; close() reports what remains
+                self.error = e
+
+    def finish(self, step: int | None, timeout_s: float) -> int | None:
+        """Wait until every rank holds ``step`` (rank 0's last), commit it, stop."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            while step is not None:
+                committed = self.poll()
+                if committed is not None and committed >= step:
+                    break
+                if time.monotonic() >= deadline:
+                    _, behind = self.common_step()
+                    raise LdformatError(
+                        f"{self.path}: rank(s) {behind or '?'} did not commit step {step} within {timeout_s:g} s "
+                        f"(a rank died or is still writing); the newest committed step stays {self.committed}. "
+                        "The chain is valid; resume from that step"
+                    )
+                time.sleep(0.05)
+        finally:
+            self._stop = True
+            self._wake.set()
+            self._thread.join(timeout=10)
+        return self.committed
+
+
+def commit_now(committer: Committer | None, group: Any, durable: int | None) -> None:
+    """After every rank opened its chain: commit the step they all start from (collective)."""
+    import torch.distributed as dist
+
+    steps: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(steps, durable, group=group)
+    if committer is not None:
+        committer.poll()
+
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    """Load a full unsharded state into live objects that may be sharded: each DTensor gets its
+    own slice (spec §20.6), so any world size or mesh reads any chain."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    live = model.state_dict(keep_vars=True)
+    missing = sorted(set(live) - set(state["model"]))
+    if missing:
+        raise UsageError(f"the checkpoint lacks model state {missing[0]!r} (and {len(missing) - 1} more): "
+                         "is it the same model?")
+    with torch.no_grad():
+        for name, t in live.items():
+            src = state["model"][name]
+            if tuple(src.shape) != tuple(t.shape):
+                raise UsageError(f"model state {name!r} is {tuple(src.shape)} in the checkpoint, "
+                                 f"{tuple(t.shape)} in the model")
+            if is_dtensor(t):
+                offsets, lengths = local_shard(t)
+                local(t).copy_(src[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
+            else:
+                t.copy_(src)
+    if optimizer is None:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    osd = state["optimizer"]
+    per_param = {}
+    for key, value in osd.get("state", {}).items():
+        p = params[key] if isinstance(key, int) and 0 <= key < len(params) else None
+        if p is None or not is_dtensor(p) or not isinstance(value, dict):
+            per_param[key] = value
+            continue
+        per_param[key] = {k: _like(p, v, rank) for k, v in value.items()}
+    optimizer.load_state_dict({**osd, "state": per_param} if "state" in osd else osd)
+
+
+def _like(p: torch.Tensor, v: object, rank: int) -> object:
+    """``v`` as a DTensor placed like ``p`` when it has ``p``'s global shape (a state tensor of ``p``)."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
+        return v
+    from torch.distributed.tensor import DTensor
+
+    offsets, lengths = local_shard(p)
+    piece = v[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))].clone()
+    return DTensor.from_local(piece, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              shape=p.shape, stride=p.stride(), run_check=False)
