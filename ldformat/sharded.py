@@ -26,7 +26,7 @@ from .jsonvalue import JSON, parse_json, verify_checksum, with_checksum
 from .log import io_error, now, numbered, read_bounded, writer_name
 from .manifest import KINDS, _check_fields, _require, _require_object
 from .reader import ChainReader, chain_name, open_store
-from .shards import Layout, Shard, assemble, check_within, parse_shape
+from .shards import Layout, Shard, assemble, check_covered, check_within, overlaps_differ, parse_shape
 from .stores import Store, parse_location
 
 SHARDED_ROOT = "sharded.json"
@@ -38,6 +38,7 @@ RANKS_DIR = "ranks"
 MAX_SHARDED_ROOT_BYTES = 16 << 20
 MAX_COMMIT_BYTES = 64 << 10
 MAX_WORLD_SIZE = 1 << 20
+MAX_DIMS = 64
 _COMMIT_NAME = re.compile(r"^commits/(\d{12})\.json$")
 
 
@@ -146,6 +147,8 @@ def _layout(v: JSON, world: int, where: str) -> Layout:
     except Exception:
         raise CorruptChainError(f"{where}: unknown dtype {dtype!r}") from None
     shape = parse_shape(v.get("shape"), where)
+    if len(shape) > MAX_DIMS:
+        raise CorruptChainError(f"{where}: {len(shape)} dimensions, more than {MAX_DIMS}")
     shards_json = v.get("shards")
     if not isinstance(shards_json, list) or not shards_json:
         raise CorruptChainError(f"{where}: shards must be a non-empty list")
@@ -162,6 +165,7 @@ def _layout(v: JSON, world: int, where: str) -> Layout:
         shards.append(shard)
     if len({s.rank for s in shards}) != len(shards):
         raise CorruptChainError(f"{where}: a rank is listed twice")
+    check_covered(shape, shards, where)
     return Layout(dtype, shape, tuple(shards))
 
 
@@ -356,23 +360,32 @@ class ShardedReader:
 
 
 def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
-                   schema: Mapping[str, Any]) -> dict[str, Any]:
-    """The full state from every rank's local state (spec §20.4)."""
+                   schema: Mapping[str, Any], *, strict: bool = False) -> dict[str, Any]:
+    """The full state from every rank's local state (spec §20.4).
+
+    Replicated copies are taken from the first rank listed (rank 0 for tensors outside the
+    layout); ``strict`` (validation) raises CorruptChainError where another copy differs.
+    """
     first = parts[0]
     full: dict[int, torch.Tensor] = {}  # id of rank 0's tensor -> the assembled one (keeps tied weights tied)
 
-    def whole(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
-        layout = root.tensors.get(f"model/{name}")
-        key = id(pieces[0])
-        if key not in full:
-            if layout is not None:
-                full[key] = assemble(layout, dict(enumerate(pieces)), f"{where} model/{name}")
-            else:
-                _check_replicated(pieces, f"{where} model/{name}")
-                full[key] = pieces[0]
-        return full[key]
+    def whole(name: str, pieces: list[torch.Tensor], layout: Layout | None) -> torch.Tensor:
+        w = f"{where} {name}"
+        if layout is None:
+            if strict:
+                _check_replicated(pieces, w)
+            return pieces[0]
+        by_rank = dict(enumerate(pieces))
+        if strict and overlaps_differ(layout, by_rank):
+            raise CorruptChainError(f"{w}: rank {overlaps_differ(layout, by_rank)[0]}'s replicated copy differs "
+                                    "from an earlier rank's")
+        return assemble(layout, by_rank, w)
 
-    model = {name: whole(name, [p["model"][name] for p in parts]) for name in first["model"]}
+    model = {}
+    for name, t in first["model"].items():
+        if id(t) not in full:
+            full[id(t)] = whole(f"model/{name}", [p["model"][name] for p in parts], root.tensors.get(f"model/{name}"))
+        model[name] = full[id(t)]
     optimizer = dict(first["optimizer"])
     names: list[str] = list(schema["optimizer"]["params"])
     state = {}
@@ -384,14 +397,12 @@ def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
         entry = {}
         for k, v in value.items():
             pieces = [p["optimizer"]["state"][key][k] for p in parts]
-            if (layout is not None and layout.split and isinstance(v, torch.Tensor)
-                    and all(isinstance(t, torch.Tensor) and layout.of_rank(r) is not None
-                            and tuple(t.shape) == layout.of_rank(r).lengths  # type: ignore[union-attr]
-                            for r, t in enumerate(pieces))):
-                entry[k] = assemble(layout, dict(enumerate(pieces)), f"{where} optimizer/{key}/{k}")
+            sharded = (layout is not None and layout.split and isinstance(v, torch.Tensor)
+                       and all(isinstance(t, torch.Tensor) and (s := layout.of_rank(r)) is not None
+                               and tuple(t.shape) == s.lengths for r, t in enumerate(pieces)))
+            if isinstance(v, torch.Tensor):
+                entry[k] = whole(f"optimizer/{key}/{k}", pieces, layout if sharded else None)
             else:
-                if isinstance(v, torch.Tensor):
-                    _check_replicated(pieces, f"{where} optimizer/{key}/{k}")
                 entry[k] = v
         state[key] = entry
     if "state" in optimizer:
@@ -407,7 +418,6 @@ def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
 def _residual(root: ShardedRoot, name: str, pieces: list[torch.Tensor], where: str) -> torch.Tensor:
     layout = root.tensors.get(f"model/{name}")
     if layout is None:
-        _check_replicated(pieces, f"{where} compressor/{name}")
         return pieces[0]
     shaped = {}
     for r, t in enumerate(pieces):

@@ -89,30 +89,71 @@ def local_shard(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def assemble(layout: Layout, pieces: Mapping[int, torch.Tensor], where: str) -> torch.Tensor:
-    """The global tensor from each rank's local piece: every element covered, overlaps identical."""
+    """The global tensor from each rank's local piece. The layout covers every element (checked
+    when it was parsed); where shards overlap (replicated placements) the first listed wins, and
+    validation compares the copies (spec §20.4)."""
     from .jsonvalue import parse_dtype
-    from .state import bits_view
 
     dtype = parse_dtype(layout.dtype)
     out = torch.empty(layout.shape, dtype=dtype)
-    covered = torch.zeros(layout.shape, dtype=torch.bool)
-    for shard in layout.shards:
+    for shard in reversed(layout.shards):  # the first listed is written last, so it wins
         piece = pieces.get(shard.rank)
         if piece is None:
             raise CorruptChainError(f"{where}: rank {shard.rank}'s shard is missing")
         if tuple(piece.shape) != shard.lengths or piece.dtype != dtype:
             raise CorruptChainError(f"{where}: rank {shard.rank}'s shard is {tuple(piece.shape)} {piece.dtype}, "
                                     f"the layout says {shard.lengths} {dtype}")
-        region = shard.region()
-        seen = covered[region]
-        if bool(seen.any()):  # a replicated part: the copies must agree bit for bit
-            if not torch.equal(bits_view(out[region].contiguous())[seen], bits_view(piece.contiguous())[seen]):
-                raise CorruptChainError(f"{where}: rank {shard.rank}'s copy differs from an earlier rank's")
-        out[region] = piece
-        covered[region] = True
-    if not bool(covered.all()):
-        raise CorruptChainError(f"{where}: the shards do not cover the tensor")
+        out[shard.region()] = piece
     return out
+
+
+def overlaps_differ(layout: Layout, pieces: Mapping[int, torch.Tensor]) -> list[int]:
+    """The ranks whose piece differs, where it overlaps, from a piece listed before it."""
+    from .state import bits_view
+
+    differ = []
+    for j, b in enumerate(layout.shards):
+        for a in layout.shards[:j]:
+            lo = [max(x, y) for x, y in zip(a.offsets, b.offsets, strict=True)]
+            hi = [min(x + m, y + n) for x, m, y, n in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)]
+            if any(h <= low for low, h in zip(lo, hi, strict=True)):
+                continue
+            pa = pieces[a.rank][tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, a.offsets, strict=True))]
+            pb = pieces[b.rank][tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, b.offsets, strict=True))]
+            if not torch.equal(bits_view(pa.contiguous()), bits_view(pb.contiguous())):
+                differ.append(b.rank)
+                break
+    return differ
+
+
+#: The most cells a layout's coverage check examines (spec §20.2): more fragmented layouts are refused.
+MAX_COVERAGE_CELLS = 1 << 20
+
+
+def check_covered(shape: Sequence[int], shards: Sequence[Shard], where: str) -> None:
+    """Every element of ``shape`` lies in some shard. Checked on the grid the shard boundaries
+    make, never by allocating the tensor (its shape comes from a file)."""
+    if any(n == 0 for n in shape):
+        return
+    cuts = [sorted({0, n, *(s.offsets[d] for s in shards), *(s.offsets[d] + s.lengths[d] for s in shards)})
+            for d, n in enumerate(shape)]
+    cells = 1
+    for c in cuts:
+        cells *= len(c) - 1
+    if cells * max(len(shards), 1) > MAX_COVERAGE_CELLS:
+        raise CorruptChainError(f"{where}: the layout is split into too many pieces to check ({cells} cells)")
+    grids = [list(zip(c[:-1], c[1:], strict=True)) for c in cuts]
+
+    def walk(d: int, start: list[int]) -> None:
+        if d == len(shape):
+            if not any(all(o <= x < o + n for x, o, n in zip(start, s.offsets, s.lengths, strict=True))
+                       for s in shards):
+                raise CorruptChainError(f"{where}: no shard covers the element at {start}")
+            return
+        for lo, _ in grids[d]:
+            walk(d + 1, [*start, lo])
+
+    walk(0, [])
 
 
 def parse_shape(v: object, where: str) -> tuple[int, ...]:

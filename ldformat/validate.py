@@ -34,8 +34,21 @@ from .jsonvalue import JSONObject, crc32c_hex
 from .log import ROOT_FILE, log_path, log_sequence_numbers
 from .manifest import ObjectRef, SlotInfo
 from .optstate import check_structure
-from .reader import ChainReader, open_store
+from .reader import ChainReader, chain_name, open_store
 from .replay import ProxyReplayer, stand_in
+from .sharded import (
+    COMMITS_DIR,
+    SHARDED_ROOT,
+    Commit,
+    ShardedReader,
+    ShardedRoot,
+    assemble_state,
+    commit_path,
+    is_sharded,
+    rank_location,
+    read_commits,
+    read_sharded_root,
+)
 from .state import ParamGroup, bits_view
 from .stores import Store
 
@@ -140,6 +153,8 @@ def validate(
         NotAChainError: ``path`` is not a chain at all (nothing to validate).
     """
     store = open_store(path, store, storage_options)
+    if is_sharded(store):
+        return _validate_sharded(path, store, deep, progress, storage_options)
     report = ValidationReport(path=str(path), deep=deep)
     verified = _Verified()
     for attempt in range(VALIDATE_ATTEMPTS):
@@ -150,6 +165,113 @@ def validate(
         if head is not None and _log_head(store) == head:
             break  # the log did not move: the problems are the chain's own
     return report
+
+
+def _validate_sharded(path: str | os.PathLike[str], store: Store, deep: bool,
+                      progress: Callable[[str, int, int], None] | None,
+                      storage_options: dict[str, Any] | None) -> ValidationReport:
+    """Spec §20.7: the sharded root, the commit records, every rank chain (§18), the layout
+    against each rank chain's schema, and every committed step in every rank chain; ``deep``
+    also compares replicated copies at every committed anchor."""
+    where = chain_name(path, None)
+    report = ValidationReport(path=where, deep=deep)
+    try:
+        root = read_sharded_root(store, where)
+    except NotAChainError:
+        raise
+    except Exception as e:
+        _reraise_unless_problem(e)
+        report.problems.append(Problem(f"{where}/{SHARDED_ROOT}", None, _message(e)[1]))
+        return report
+    report.kind = root.kind
+    commits: list[Commit] = []
+    try:
+        commits = read_commits(store, where)
+    except Exception as e:
+        _reraise_unless_problem(e)
+        report.problems.append(Problem(_message(e)[0] or f"{where}/{COMMITS_DIR}", None, _message(e)[1]))
+    rank_steps: list[set[int]] = []
+    rank_anchors: list[set[int]] = []
+    schemas: list[dict[str, Any] | None] = []
+    for r in range(root.world_size):
+        location = rank_location(path, r)
+        try:
+            sub = validate(location, deep=deep, progress=progress, storage_options=storage_options)
+        except NotAChainError as e:
+            report.problems.append(Problem(location, None, f"rank {r}'s chain is missing ({_message(e)[1]})"))
+            rank_steps.append(set())
+            schemas.append(None)
+            continue
+        report.problems.extend(sub.problems)
+        report.drift.extend(sub.drift)
+        try:
+            reader = ChainReader(location, storage_options=storage_options)
+            rank_steps.append(set(reader.steps))
+            rank_anchors.append(set(reader.anchors))
+            schemas.append(reader.root.schema)
+            if reader.kind != root.kind:
+                report.problems.append(Problem(location, None, f"rank {r}'s chain has kind {reader.kind}, "
+                                               f"the sharded chain {root.kind}"))
+        except Exception as e:
+            _reraise_unless_problem(e)
+            rank_steps.append(set())
+            schemas.append(None)
+    _check_layout(root, schemas, where, report)
+    newest = commits[-1].step if commits else None
+    steps = sorted(set.intersection(*rank_steps)) if rank_steps else []
+    committed = [s for s in steps if newest is not None and s <= newest]
+    if newest is not None and newest not in committed:
+        holders = [r for r, have in enumerate(rank_steps) if newest not in have]
+        report.problems.append(Problem(f"{where}/{commit_path(commits[-1].seq)}", newest,
+                                       f"the committed step is missing from rank(s) {holders}'s chain"))
+    report.steps = len(committed)
+    report.latest_step = committed[-1] if committed else None
+    report.anchors = sorted(set(committed).intersection(*rank_anchors)) if rank_anchors else []
+    if deep and report.ok:
+        reader_ = ShardedReader(path, storage_options=storage_options)
+        for n, step in enumerate(report.anchors, 1):
+            try:
+                assemble_state(root, reader_.materialize_ranks(step), f"{where} (step {step})",
+                               reader_.ranks[0].root.schema, strict=True)
+            except Exception as e:
+                _reraise_unless_problem(e)
+                report.problems.append(Problem(_message(e)[0] or where, step, _message(e)[1]))
+            if progress:
+                progress("replicas", n, len(report.anchors))
+    return report
+
+
+def _check_layout(root: ShardedRoot, schemas: list[dict[str, Any] | None], where: str,
+                  report: ValidationReport) -> None:
+    """Each rank chain stores every split tensor with the shape and dtype the layout gives it."""
+    first: list[str] | None = None
+    first_names: list[object] | None = None
+    for r, schema in enumerate(schemas):
+        if schema is None:
+            continue
+        entries = {e.get("name"): e for e in schema.get("model", []) if isinstance(e, dict)}
+        params = schema.get("optimizer", {}).get("params")
+        if first is None:
+            first = params
+        elif params != first:
+            report.problems.append(Problem(f"{where}/{SHARDED_ROOT}", None,
+                                           f"rank {r}'s optimizer parameters differ from rank 0's"))
+        for name, layout in root.tensors.items():
+            shard = layout.of_rank(r)
+            e = entries.get(name[len("model/"):])
+            if shard is None:
+                continue
+            if e is None or e.get("alias_of") is not None or e.get("dtype") != layout.dtype or (
+                    tuple(e.get("shape", ())) != shard.lengths):
+                report.problems.append(Problem(f"{where}/{SHARDED_ROOT}", None,
+                                               f"rank {r}'s chain does not store {name} as the layout says "
+                                               f"({layout.dtype} {list(shard.lengths)})"))
+        names = sorted(entries, key=str)
+        if first_names is None:
+            first_names = names
+        elif names != first_names:
+            report.problems.append(Problem(f"{where}/{SHARDED_ROOT}", None,
+                                           f"rank {r}'s chain stores other model tensors than rank 0's"))
 
 
 def _reraise_unless_problem(e: Exception) -> None:
