@@ -204,12 +204,12 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
             restore_rng(own["rng"])
         if compressor is not None:
             compressor.load_residuals(parts[rank].get("compressor", {}))
-    else:
+    elif rank == 0:
         log.warning("%s: written at world size %d, resumed at %d: model and optimizer are restored exactly; "
                     "RNG states, data positions and top-k residuals are per rank and are not restored",
                     path, reader.world_size, world)
-        if compressor is not None:
-            compressor.load_residuals({})
+    if not same and compressor is not None:
+        compressor.load_residuals({})
     return step
 
 

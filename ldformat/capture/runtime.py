@@ -243,14 +243,18 @@ class Checkpointer:
         self.sharded = has_dtensors(model)
         self._committer: Committer | None = None
         if self.sharded:  # every rank writes its own chain of local shards (spec §20)
-            if mirror is not None or max_bytes is not None or store is not None or step is not None:
-                raise UsageError("with a sharded model (DTensor parameters), mirror=, max_bytes=, store= and step= "
-                                 "are not supported; resume with ldformat.resume() and checkpoint to the same path")
+            if mirror is not None or max_bytes is not None or store is not None:
+                raise UsageError("with a sharded model (DTensor parameters), mirror=, max_bytes= and store= "
+                                 "are not supported yet")
             compressor_ = self.compressor
             sharded = sharded_setup(self.path, model, optimizer, kind=self.kind, group=process_group,
                                     storage_options=storage_options,
                                     check=lambda: build_schema(model, optimizer, self.kind, compressor_))
-            path, step, truncate = sharded.rank_path, sharded.committed, True
+            if step is not None and sharded.committed is not None and step != sharded.committed:
+                raise UsageError(f"{path}: the sharded chain's newest committed step is {sharded.committed}; "
+                                 f"a sharded chain continues from it, not from step {step}")
+            path, truncate = sharded.rank_path, True
+            step = sharded.committed if sharded.committed is not None else step
         self.world_size = 1 if self.sharded else world_size(process_group)
         if self.world_size > 1 and (mode != "lowdiff" or anchor_every == "auto"):
             raise UsageError(

@@ -44,7 +44,7 @@ ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RM
 #: How often rank 0's committer looks at the rank chains between its own commits.
 POLL_S = 0.5
 #: How long ``close()`` on rank 0 waits for the other ranks' last commit.
-DEFAULT_COMMIT_TIMEOUT_S = 120.0
+DEFAULT_COMMIT_TIMEOUT_S = 60.0
 
 
 @dataclass
