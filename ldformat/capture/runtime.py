@@ -284,7 +284,7 @@ class Checkpointer:
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
         if self.sharded:
             if sharded.rank == 0:
-                self._committer = Committer(self.path, sharded.world_size, storage_options)
+                self._committer = Committer(self.path, sharded.world_size, storage_options, self.stats)
             commit_now(self._committer, process_group, self.writer.durable_step)
         self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
@@ -453,6 +453,8 @@ class Checkpointer:
         if pending is None or pending.post_done:
             return
         self.stats.optimizer_times.append(started - pending.pre_end)
+        if self._committer is not None:
+            self._committer.step_ended(pending.step)
         self._capture_after_step(pending)
         if self.scheduler is None and self.scaler is None:
             self._finalize()

@@ -34,6 +34,7 @@ from ..sharded import (
 )
 from ..shards import Layout, Shard, is_dtensor, local, local_shard
 from ..stores import Store, open_store, parse_location
+from .tuning import CaptureStats
 
 log = logging.getLogger("ldformat.capture")
 
@@ -195,8 +196,11 @@ class _RankLog:
 class Committer:
     """Rank 0's global commits (spec §20.3): a step is committed once every rank chain holds it."""
 
-    def __init__(self, path: str, world_size: int, storage_options: dict[str, Any] | None) -> None:
+    def __init__(self, path: str, world_size: int, storage_options: dict[str, Any] | None,
+                 stats: CaptureStats | None = None) -> None:
         self.path = path
+        self.stats = stats
+        self._ended: dict[int, float] = {}  # step -> when rank 0 finished it (for commit latency)
         self.store = _top_store(path, storage_options)
         self.ranks = [_RankLog(rank_location(path, r), storage_options) for r in range(world_size)]
         self.last: Commit | None = newest_commit(self.store, path)
@@ -210,6 +214,9 @@ class Committer:
     @property
     def committed(self) -> int | None:
         return None if self.last is None else self.last.step
+
+    def step_ended(self, step: int) -> None:
+        self._ended[step] = time.monotonic()
 
     def nudge(self, _step: int | None = None) -> None:
         """Rank 0 committed in its own chain: look at the others now."""
@@ -237,6 +244,13 @@ class Committer:
             step, _ = self.common_step()
             if step is not None and (self.last is None or step > self.last.step):
                 self.last = create_commit(self.store, self.path, step, self.last)
+                ended = self._ended.pop(step, None)
+                for s in [s for s in self._ended if s < step]:
+                    del self._ended[s]
+                if self.stats is not None:
+                    self.stats.global_commits += 1
+                    if ended is not None:
+                        self.stats.commit_latency_s.append(time.monotonic() - ended)
             return self.committed
 
     def _run(self) -> None:

@@ -60,6 +60,9 @@ class CaptureStats:
     mirror_syncs: int = 0  # successful syncs
     mirror_step: int | None = None  # the mirror's latest step, as the last successful sync saw it
     mirror_behind_since: float | None = None  # time.monotonic() of the oldest local commit the mirror lacks
+    # Sharded chains, rank 0 (:mod:`.sharded`): from the end of a step on rank 0 to its global commit record.
+    commit_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    global_commits: int = 0
 
     @property
     def mirror_lag_seconds(self) -> float:
@@ -80,6 +83,8 @@ class CaptureStats:
             "mirror_lag_steps": self.mirror_lag_steps,
             "mirror_lag_seconds": self.mirror_lag_seconds,
             "mirror_last_error": self.mirror_last_error,
+            "global_commits": self.global_commits,
+            "commit_latency_s": list(self.commit_latency_s),
             "mirror_syncs": self.mirror_syncs,
         }
 
