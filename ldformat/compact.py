@@ -32,6 +32,7 @@ from .log import (
 )
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, SlotInfo, StepEntry
 from .reader import ChainReader
+from .sharded import refuse_sharded
 from .stores import Part, Store
 
 
@@ -122,6 +123,7 @@ def compact(
     """
     if max_replay is not None and max_replay < 0:
         raise UsageError("max_replay must be >= 0")
+    refuse_sharded(path, store, storage_options, "compacted")
     reader = ChainReader(path, store=store, storage_options=storage_options)
     if dry_run:
         return _compact(reader, None, max_replay, keep_last, keep_every, progress)
@@ -331,12 +333,16 @@ def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[Anchor
 
 def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,
              break_lock: bool = False, lock_wait: float = 0.0,
-             storage_options: dict[str, Any] | None = None) -> list[int]:
+             storage_options: dict[str, Any] | None = None, part_of_sharded: bool = False) -> list[int]:
     """Remove every step after ``after`` (rewind after a loss spike). Returns the removed steps.
 
     Crash-safe: one snapshot record switches the chain to the truncated view. A writer can
-    then re-open the chain and append from ``after + 1``.
+    then re-open the chain and append from ``after + 1``. A sharded chain, or one rank chain
+    of it, is refused (spec §20.8); ``part_of_sharded`` is for the writer of a sharded chain,
+    which truncates its rank chain after the commit record that makes those steps pending.
     """
+    if not part_of_sharded:
+        refuse_sharded(path, store, storage_options, "truncated")
     reader = ChainReader(path, store=store, storage_options=storage_options)
     lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:

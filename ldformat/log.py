@@ -461,6 +461,12 @@ def _refuse_live_legacy_lock(store: Store, where: str, break_lock: bool) -> None
             )
 
 
+def held_by_live_writer(store: Store, where: str = "") -> LockOwner | None:
+    """The holder of the lock if it may still be running (spec §15.2), else None."""
+    owner = current_lock(store, where)
+    return owner if owner is not None and _live(owner) else None
+
+
 def current_lock(store: Store, where: str = "") -> LockOwner | None:
     """The holder of the lock, or None if it is free (released, or never taken)."""
     generations = numbered(store, LOCK_DIR, _LOCK_NAME)

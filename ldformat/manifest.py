@@ -27,7 +27,10 @@ from .jsonvalue import (
 from .stores import check_relative_path
 
 FORMAT_NAME = "ldformat"
-FORMAT_VERSION = "1.2"
+FORMAT_VERSION = "1.2"  # what an ordinary chain is written as
+#: The newest format this package reads and writes: 1.3 adds sharded chains (spec §20), whose
+#: rank chains are written as 1.3 so that older writers refuse to touch one on its own.
+NEWEST_VERSION = "1.3"
 FORMAT_MAJOR = 1
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)

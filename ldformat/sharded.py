@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +37,46 @@ COMMITS_DIR = "commits"
 RANKS_DIR = "ranks"
 MAX_SHARDED_ROOT_BYTES = 16 << 20
 MAX_COMMIT_BYTES = 64 << 10
-MAX_WORLD_SIZE = 1 << 20
+MAX_WORLD_SIZE = 100_000  # rank directories have 5 digits
 MAX_DIMS = 64
+#: Reads of a sharded chain that a concurrent truncation can restart (spec §20.3.2).
+READ_ATTEMPTS = 5
 _COMMIT_NAME = re.compile(r"^commits/(\d{12})\.json$")
+
+
+_RANK_DIR = re.compile(r"^(.*)/ranks/\d{5}/?$")
+
+
+def refuse_sharded(path: str | os.PathLike[str], store: Store | None, storage_options: dict[str, Any] | None,
+                   what: str) -> None:
+    """Refuse to change a sharded chain, or one of its rank chains on its own (spec §20.1, §20.8)."""
+    from .errors import UsageError
+
+    if store is not None:
+        if is_sharded(store):
+            raise UsageError(f"{path}: a sharded chain is not {what} by this version of ldformat; "
+                             "materialize a step, or resume from it and checkpoint to a new path")
+        return
+    loc = parse_location(path)
+    try:
+        if loc.path is not None:
+            top = loc.path
+            parent = loc.path.parent.parent if re.fullmatch(r"\d{5}", loc.path.name) and (
+                loc.path.parent.name == RANKS_DIR) else None
+            sharded_here = (top / SHARDED_ROOT).is_file()
+            sharded_above = parent is not None and (parent / SHARDED_ROOT).is_file()
+        else:
+            sharded_here = is_sharded(open_store(path, None, storage_options))
+            m = _RANK_DIR.match(str(path))
+            sharded_above = m is not None and is_sharded(open_store(m.group(1), None, storage_options))
+    except (OSError, NotAChainError):
+        return  # not readable: the operation itself reports it
+    if sharded_here:
+        raise UsageError(f"{path}: a sharded chain is not {what} by this version of ldformat; "
+                         "materialize a step, or resume from it and checkpoint to a new path")
+    if sharded_above:
+        raise UsageError(f"{path}: this is one rank's chain of a sharded chain; it is {what} only with the "
+                         "others (spec §20.8), never on its own")
 
 
 def rank_location(path: str | os.PathLike[str], rank: int) -> str:
@@ -240,15 +277,15 @@ def newest_commit(store: Store, where: str) -> Commit | None:
 
 
 def read_commits(store: Store, where: str) -> list[Commit]:
-    """Every commit record, checked: consecutive numbers, linked checksums, steps never decreasing."""
+    """Every commit record, checked: consecutive numbers and linked checksums (a record that
+    truncates may name an earlier step than the one before it, spec §20.3.1)."""
     out: list[Commit] = []
     for expected, seq in enumerate(commit_numbers(store), start=1):
         if seq != expected:
             raise CorruptChainError(f"{where}/{commit_path(expected)}: commit record missing (the log jumps to {seq})")
         c = read_commit(store, seq, where)
-        if out and (c.prev != out[-1].checksum or c.step < out[-1].step):
-            raise CorruptChainError(f"{where}/{commit_path(seq)}: prev does not match record {seq - 1}, or its step "
-                                    "goes back")
+        if out and c.prev != out[-1].checksum:
+            raise CorruptChainError(f"{where}/{commit_path(seq)}: prev does not match record {seq - 1}")
         if not out and c.prev is not None:
             raise CorruptChainError(f"{where}/{commit_path(seq)}: the first record has a prev checksum")
         out.append(c)
@@ -276,15 +313,35 @@ class ShardedReader:
 
     def __init__(self, path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
         self.path = chain_name(path, None)
+        self._location, self._options = path, storage_options
         self.store = open_store(path, None, storage_options)
         self.root = read_sharded_root(self.store, self.path)
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Read the newest commit record and every rank chain's log again."""
+        if self.store.exists("ldformat.json"):
+            raise CorruptChainError(f"{self.path}: holds both {SHARDED_ROOT} and ldformat.json (spec §20.1)")
         self.commit = newest_commit(self.store, self.path)
-        self.ranks = [ChainReader(rank_location(path, r), storage_options=storage_options)
+        self.ranks = [ChainReader(rank_location(self._location, r), storage_options=self._options)
                       for r in range(self.root.world_size)]
         for r, reader in enumerate(self.ranks):
             if reader.kind != self.root.kind:
                 raise CorruptChainError(f"{reader.path}: rank {r}'s chain has kind {reader.kind}, "
                                         f"the sharded chain {self.root.kind}")
+
+    def truncated_since(self, step: int) -> bool:
+        """Whether a record newer than the one read names a step below ``step`` (spec §20.3.2 rule 5):
+        a truncation ran meanwhile, and what was read may mix two versions of the chain."""
+        seq = 0 if self.commit is None else self.commit.seq
+        while True:
+            seq += 1
+            try:
+                newer = read_commit(self.store, seq, self.path)
+            except FileNotFoundError:
+                return False
+            if newer.step < step:
+                return True
 
     @property
     def kind(self) -> str:
@@ -337,13 +394,18 @@ class ShardedReader:
     def materialize_ranks(self, step: int | None = None,
                           progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
         """Every rank's own state at ``step`` (local shards), as :meth:`ChainReader.materialize` gives it."""
-        step = self.check_step(step)
-        out = []
-        for r, reader in enumerate(self.ranks):
-            out.append(reader.materialize(step))
-            if progress is not None:
-                progress(r + 1, len(self.ranks))
-        return out
+        for _attempt in range(READ_ATTEMPTS):
+            target = self.check_step(step)
+            out = []
+            for r, reader in enumerate(self.ranks):
+                out.append(reader.materialize(target))
+                if progress is not None:
+                    progress(r + 1, len(self.ranks))
+            if not self.truncated_since(target):
+                return out
+            self.refresh()
+        raise CorruptChainError(f"{self.path}: the chain was truncated {READ_ATTEMPTS} times while it was read; "
+                                "read it again when its maintenance is over")
 
     def materialize(self, step: int | None = None, *,
                     progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
@@ -360,26 +422,19 @@ class ShardedReader:
 
 
 def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
-                   schema: Mapping[str, Any], *, strict: bool = False) -> dict[str, Any]:
+                   schema: Mapping[str, Any]) -> dict[str, Any]:
     """The full state from every rank's local state (spec §20.4).
 
     Replicated copies are taken from the first rank listed (rank 0 for tensors outside the
-    layout); ``strict`` (validation) raises CorruptChainError where another copy differs.
+    layout); validation compares them (:func:`replica_problems`).
     """
     first = parts[0]
     full: dict[int, torch.Tensor] = {}  # id of rank 0's tensor -> the assembled one (keeps tied weights tied)
 
     def whole(name: str, pieces: list[torch.Tensor], layout: Layout | None) -> torch.Tensor:
-        w = f"{where} {name}"
         if layout is None:
-            if strict:
-                _check_replicated(pieces, w)
             return pieces[0]
-        by_rank = dict(enumerate(pieces))
-        if strict and overlaps_differ(layout, by_rank):
-            raise CorruptChainError(f"{w}: rank {overlaps_differ(layout, by_rank)[0]}'s replicated copy differs "
-                                    "from an earlier rank's")
-        return assemble(layout, by_rank, w)
+        return assemble(layout, dict(enumerate(pieces)), f"{where} {name}")
 
     model = {}
     for name, t in first["model"].items():
@@ -428,14 +483,51 @@ def _residual(root: ShardedRoot, name: str, pieces: list[torch.Tensor], where: s
     return assemble(layout, shaped, f"{where} compressor/{name}").reshape(-1)
 
 
-def _check_replicated(pieces: list[Any], where: str) -> None:
+def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Sequence[Mapping[str, torch.Tensor]]
+                     ) -> list[str]:
+    """What differs between the ranks' stored tensors of one step (spec §20.7 checks 4 and 5):
+    names and dtypes, overlapping blocks of laid-out tensors, replicated tensors."""
     from .state import bits_view
 
-    base = pieces[0]
-    for r, t in enumerate(pieces[1:], start=1):
-        if not isinstance(t, torch.Tensor) or t.shape != base.shape or t.dtype != base.dtype or not torch.equal(
-                bits_view(t.contiguous()), bits_view(base.contiguous())):
-            raise CorruptChainError(f"{where}: rank {r}'s copy of a replicated tensor differs from rank 0's")
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits_view(a.contiguous()),
+                                                                         bits_view(b.contiguous()))
+
+    problems = []
+    names = {n for n in tensors[0] if not n.startswith(("compressor/", "optimizer/ref/"))}
+    for r, t in enumerate(tensors[1:], start=1):
+        mine = {n for n in t if not n.startswith(("compressor/", "optimizer/ref/"))}
+        if mine != names:
+            problems.append(f"rank {r} stores other tensors than rank 0 ({sorted(mine ^ names)[0]})")
+        for n in mine & names:
+            if t[n].dtype != tensors[0][n].dtype:
+                problems.append(f"rank {r} stores {n} as {t[n].dtype}, rank 0 as {tensors[0][n].dtype}")
+    params: list[str] = list(schema["optimizer"]["params"])
+    for name in sorted(names):
+        pieces = [t.get(name) for t in tensors]
+        if any(p is None for p in pieces):
+            continue
+        by_rank = {r: p for r, p in enumerate(pieces) if p is not None}
+        layout = root.tensors.get(name)
+        if name.startswith("optimizer/"):
+            index = name.split("/")[1]
+            param = params[int(index)] if index.isdigit() and int(index) < len(params) else None
+            candidate = root.tensors.get(f"model/{param}") if param is not None else None
+            if candidate is not None and candidate.split and all(
+                    (s := candidate.of_rank(r)) is not None and tuple(p.shape) == s.lengths
+                    for r, p in by_rank.items()):
+                layout = candidate
+        if layout is not None:
+            differ = overlaps_differ(layout, by_rank)
+            if differ:
+                problems.append(f"rank {differ[0]}'s copy of a replicated block of {name} differs from an "
+                                "earlier rank's")
+        else:
+            for r, p in by_rank.items():
+                if r and not same(p, by_rank[0]):
+                    problems.append(f"rank {r}'s copy of the replicated tensor {name} differs from rank 0's")
+                    break
+    return problems
 
 
 def open_reader(path: str | os.PathLike[str], *,

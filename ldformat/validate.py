@@ -40,14 +40,14 @@ from .sharded import (
     COMMITS_DIR,
     SHARDED_ROOT,
     Commit,
-    ShardedReader,
     ShardedRoot,
-    assemble_state,
+    commit_numbers,
     commit_path,
     is_sharded,
     rank_location,
     read_commits,
     read_sharded_root,
+    replica_problems,
 )
 from .state import ParamGroup, bits_view
 from .stores import Store
@@ -170,74 +170,110 @@ def validate(
 def _validate_sharded(path: str | os.PathLike[str], store: Store, deep: bool,
                       progress: Callable[[str, int, int], None] | None,
                       storage_options: dict[str, Any] | None) -> ValidationReport:
-    """Spec §20.7: the sharded root, the commit records, every rank chain (§18), the layout
-    against each rank chain's schema, and every committed step in every rank chain; ``deep``
-    also compares replicated copies at every committed anchor."""
+    """Spec §20.7: the sharded root, every rank chain (§18) and its agreement with the root
+    and rank chain 0, the commit records, and replicated copies at every committed anchor
+    (``deep``: at every committed step). A validation that found a problem while the newest
+    commit record or a rank chain's log moved starts again (at most VALIDATE_ATTEMPTS)."""
+    report = ValidationReport(path=chain_name(path, None), deep=deep)
+    for attempt in range(VALIDATE_ATTEMPTS):
+        heads = _sharded_heads(path, store, storage_options)
+        report = _validate_sharded_once(path, store, deep, progress, storage_options)
+        if report.ok or attempt == VALIDATE_ATTEMPTS - 1:
+            break
+        if heads is not None and _sharded_heads(path, store, storage_options) == heads:
+            break
+    return report
+
+
+def _sharded_heads(path: str | os.PathLike[str], store: Store,
+                   storage_options: dict[str, Any] | None) -> list[object] | None:
+    """The newest commit record's number and every rank chain's log head; None while changing."""
+    try:
+        root = read_sharded_root(store, chain_name(path, None))
+        heads: list[object] = [commit_numbers(store)[-1:]]
+        for r in range(root.world_size):
+            heads.append(_log_head(open_store(rank_location(path, r), None, storage_options)))
+        return heads
+    except (OSError, LdformatError):
+        return None
+
+
+def _validate_sharded_once(path: str | os.PathLike[str], store: Store, deep: bool,
+                           progress: Callable[[str, int, int], None] | None,
+                           storage_options: dict[str, Any] | None) -> ValidationReport:
     where = chain_name(path, None)
     report = ValidationReport(path=where, deep=deep)
+
+    def problem(default: str, step: int | None, e: Exception) -> None:
+        _reraise_unless_problem(e)
+        head, msg = _message(e)
+        report.problems.append(Problem(head or default, step, msg))
+
     try:
         root = read_sharded_root(store, where)
+        if store.exists(ROOT_FILE):
+            raise CorruptChainError(f"{where}: holds both {SHARDED_ROOT} and {ROOT_FILE} (spec §20.1)")
     except NotAChainError:
         raise
     except Exception as e:
-        _reraise_unless_problem(e)
-        report.problems.append(Problem(f"{where}/{SHARDED_ROOT}", None, _message(e)[1]))
+        problem(f"{where}/{SHARDED_ROOT}", None, e)
         return report
     report.kind = root.kind
     commits: list[Commit] = []
     try:
         commits = read_commits(store, where)
+        if not commits:
+            raise CorruptChainError(f"{where}/{COMMITS_DIR}: no commit record, so no committed step (an "
+                                    "unfinished creation, spec §20.3.3); a writer of the same layout continues it")
     except Exception as e:
-        _reraise_unless_problem(e)
-        report.problems.append(Problem(_message(e)[0] or f"{where}/{COMMITS_DIR}", None, _message(e)[1]))
-    rank_steps: list[set[int]] = []
-    rank_anchors: list[set[int]] = []
-    schemas: list[dict[str, Any] | None] = []
+        problem(f"{where}/{COMMITS_DIR}", None, e)
+    readers: list[ChainReader | None] = []
     for r in range(root.world_size):
         location = rank_location(path, r)
         try:
             sub = validate(location, deep=deep, progress=progress, storage_options=storage_options)
+            report.problems.extend(sub.problems)
+            report.drift.extend(sub.drift)
+            reader = ChainReader(location, storage_options=storage_options)
+            if reader.kind != root.kind:
+                raise CorruptChainError(f"{location}: rank {r}'s chain has kind {reader.kind}, "
+                                        f"the sharded chain {root.kind}")
+            readers.append(reader)
         except NotAChainError as e:
             report.problems.append(Problem(location, None, f"rank {r}'s chain is missing ({_message(e)[1]})"))
-            rank_steps.append(set())
-            schemas.append(None)
-            continue
-        report.problems.extend(sub.problems)
-        report.drift.extend(sub.drift)
-        try:
-            reader = ChainReader(location, storage_options=storage_options)
-            rank_steps.append(set(reader.steps))
-            rank_anchors.append(set(reader.anchors))
-            schemas.append(reader.root.schema)
-            if reader.kind != root.kind:
-                report.problems.append(Problem(location, None, f"rank {r}'s chain has kind {reader.kind}, "
-                                               f"the sharded chain {root.kind}"))
+            readers.append(None)
         except Exception as e:
-            _reraise_unless_problem(e)
-            rank_steps.append(set())
-            schemas.append(None)
-    _check_layout(root, schemas, where, report)
-    newest = commits[-1].step if commits else None
-    steps = sorted(set.intersection(*rank_steps)) if rank_steps else []
-    committed = [s for s in steps if newest is not None and s <= newest]
-    if newest is not None and newest not in committed:
-        holders = [r for r, have in enumerate(rank_steps) if newest not in have]
+            problem(location, None, e)
+            readers.append(None)
+    _check_layout(root, [None if x is None else x.root.schema for x in readers], where, report)
+    if any(x is None for x in readers) or not commits:
+        return report
+    ranks = [x for x in readers if x is not None]
+    newest = commits[-1].step
+    committed = sorted(s for s in set.intersection(*(set(x.steps) for x in ranks)) if s <= newest)
+    if newest not in committed:
+        lacking = [r for r, x in enumerate(ranks) if newest not in x.steps]
         report.problems.append(Problem(f"{where}/{commit_path(commits[-1].seq)}", newest,
-                                       f"the committed step is missing from rank(s) {holders}'s chain"))
+                                       f"the committed step is missing from the chain of rank(s) {lacking}"))
     report.steps = len(committed)
     report.latest_step = committed[-1] if committed else None
-    report.anchors = sorted(set(committed).intersection(*rank_anchors)) if rank_anchors else []
-    if deep and report.ok:
-        reader_ = ShardedReader(path, storage_options=storage_options)
-        for n, step in enumerate(report.anchors, 1):
-            try:
-                assemble_state(root, reader_.materialize_ranks(step), f"{where} (step {step})",
-                               reader_.ranks[0].root.schema, strict=True)
-            except Exception as e:
-                _reraise_unless_problem(e)
-                report.problems.append(Problem(_message(e)[0] or where, step, _message(e)[1]))
-            if progress:
-                progress("replicas", n, len(report.anchors))
+    report.anchors = sorted(set(committed).intersection(*(set(x.anchors) for x in ranks)))
+    if not report.ok:
+        return report
+    compared = committed if deep else report.anchors
+    schema = ranks[0].root.schema
+    for n, step in enumerate(compared, 1):
+        try:
+            if step in report.anchors:
+                stored = [x.load_anchor_tensors(step) for x in ranks]
+            else:
+                stored = [x.stored_tensors(step) for x in ranks]
+            for message in replica_problems(root, schema, stored):
+                report.problems.append(Problem(where, step, message))
+        except Exception as e:
+            problem(where, step, e)
+        if progress:
+            progress("replicas", n, len(compared))
     return report
 
 

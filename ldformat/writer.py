@@ -66,6 +66,7 @@ from .log import (
 from .manifest import (
     FORMAT_VERSION,
     KINDS,
+    NEWEST_VERSION,
     AnchorEntry,
     ChainState,
     DeltaEntry,
@@ -173,6 +174,7 @@ class ChainWriter:
         store: Store | None = None,
         capture_hook: bool = True,
         storage_options: dict[str, Any] | None = None,
+        format_version: str = FORMAT_VERSION,
     ) -> ChainWriter:
         """Create a chain and write the anchor of the current state as step ``step``.
 
@@ -189,6 +191,8 @@ class ChainWriter:
             extra: JSON-able extra state of the first anchor.
             store: an explicit store (``path`` then only names the chain).
             storage_options: object store settings overriding the environment variables.
+            format_version: the version the root records: ``"1.3"`` for the rank chain of a
+                sharded chain (spec §20.1), otherwise the default.
 
         Raises:
             ChainExistsError: ``path`` already holds a chain.
@@ -196,6 +200,8 @@ class ChainWriter:
         """
         if kind not in KINDS:
             raise UsageError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
+        if format_version not in (FORMAT_VERSION, NEWEST_VERSION):
+            raise UsageError(f"format_version must be {FORMAT_VERSION!r} or {NEWEST_VERSION!r}")
         if kind == "grad.topk" and not isinstance(compressor, TopK):
             raise UsageError("kind 'grad.topk' needs compressor=ldformat.TopK(...) (the one that compresses p.grad)")
         if kind != "grad.topk" and compressor is not None:
@@ -204,7 +210,7 @@ class ChainWriter:
         device = str(next(iter(optimizer_params(optimizer)), torch.empty(0)).device.type)
         environment = {**current_environment(device), "implementation": resolve_implementation(optimizer)}
         root = RootMetadata(
-            format_version=FORMAT_VERSION,
+            format_version=format_version,
             chain_id=secrets.token_hex(16),
             created=now(),
             kind=kind,
@@ -285,9 +291,9 @@ class ChainWriter:
         where = chain_name(path, store)
         store = open_store(path, store, storage_options)
         root = read_root(store, where)
-        if _minor(root.format_version) > _minor(FORMAT_VERSION):
+        if _minor(root.format_version) > _minor(NEWEST_VERSION):
             raise UnsupportedVersionError(
-                f"{where}: the chain is format {root.format_version}; this ldformat writes {FORMAT_VERSION} and "
+                f"{where}: the chain is format {root.format_version}; this ldformat writes {NEWEST_VERSION} and "
                 "may read it but not append to it (spec §3.1): upgrade ldformat"
             )
         live_schema = build_schema(model, optimizer, root.kind, compressor)

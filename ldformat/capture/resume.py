@@ -17,7 +17,7 @@ import torch
 
 from ..errors import CorruptChainError, LdformatError, StepNotFoundError, UsageError
 from ..log import ROOT_FILE
-from ..manifest import Kind
+from ..manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
 from ..reader import ChainReader
 from ..replicate import ReplicaDivergedError, sync
 from ..sharded import ShardedReader, assemble_state, is_sharded
@@ -272,6 +272,7 @@ def open_writer(
     store: Store | None,
     first_extra: Callable[[], dict[str, object]],
     storage_options: dict[str, Any] | None = None,
+    rank_chain: bool = False,
 ) -> ChainWriter:
     """The writer a :class:`~ldformat.Checkpointer` appends with (capture hook off).
 
@@ -285,7 +286,8 @@ def open_writer(
     path, store = _chain_store(path, store, storage_options)
     if not _holds_chain(path, store):
         return ChainWriter.create(path, model, optimizer, kind=kind, step=step or 0, extra=first_extra(),
-                                  compressor=compressor, batch_steps=batch_steps, store=store, capture_hook=False)
+                                  compressor=compressor, batch_steps=batch_steps, store=store, capture_hook=False,
+                                  format_version=NEWEST_VERSION if rank_chain else FORMAT_VERSION)
     reader = ChainReader(path, store=store)
     if reader.kind != kind:
         raise UsageError(f"{path}: the chain has kind {reader.kind}; mode {mode!r} writes {kind}")
@@ -303,7 +305,7 @@ def open_writer(
         from ..compact import truncate as truncate_chain
 
         log.warning("%s: truncating %d step(s) after %d: training resumes from there", path, len(later), target)
-        truncate_chain(path, target, store=store)
+        truncate_chain(path, target, store=store, part_of_sharded=rank_chain)
     if compressor is not None and target is not None:
         tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
         residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}

@@ -280,7 +280,7 @@ class Checkpointer:
         self.writer = open_writer(str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
                                   compressor=self.compressor, batch_steps=self.batch_steps, store=store,
                                   first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
-                                  storage_options=storage_options)
+                                  storage_options=storage_options, rank_chain=self.sharded)
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
         if self.sharded:
             if sharded.rank == 0:

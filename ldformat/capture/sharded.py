@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import LdformatError, UnsupportedStateError, UsageError
-from ..log import log_sequence_numbers, read_log, read_record
+from ..errors import ChainLockedError, LdformatError, UnsupportedStateError, UsageError
+from ..log import held_by_live_writer, log_path, log_sequence_numbers, now, read_log, read_record
 from ..manifest import ChainState
 from ..sharded import (
     Commit,
@@ -40,8 +40,8 @@ log = logging.getLogger("ldformat.capture")
 
 #: torch.optim classes whose update is elementwise per parameter, so that replaying each
 #: rank's gradient shard on its own reproduces the sharded step bit for bit (spec §20.5).
-ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta",
-                         "ASGD"})
+ELEMENTWISE = frozenset({"SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Rprop", "Adagrad",
+                         "Adadelta", "ASGD"})
 #: How often rank 0's committer looks at the rank chains between its own commits.
 POLL_S = 0.5
 #: How long ``close()`` on rank 0 waits for the other ranks' last commit.
@@ -129,20 +129,64 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
                 shard = Shard(r, tuple(offsets), tuple(lengths))
                 layouts[name] = Layout(dtype, tuple(shape), (*(lay.shards if lay else ()), shard))
         mesh_shape, dim_names = _mesh(model)
-        root = ShardedRoot(chain_id=os.urandom(16).hex(), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           kind=kind, world_size=world, mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts)
+        root = ShardedRoot(chain_id=os.urandom(16).hex(), created=now(), kind=kind, world_size=world,
+                           mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts)
         try:
             _create_or_check(path, root, storage_options)
         except LdformatError as e:
             error = e
+    _agree(error, group, src)
+    # Opening (spec §20.3.3): no live writer on any rank chain, then rank 0 fences the commit
+    # records with a record for the newest committed step N, before any rank chain is truncated.
+    error = None
+    location = rank_location(path, rank)
+    try:
+        if _exists(location, storage_options):
+            holder = held_by_live_writer(open_store(location, storage_options=storage_options), location)
+            if holder is not None:
+                raise ChainLockedError(f"{location}: rank {rank}'s chain is locked by a running writer "
+                                       f"({holder.describe()}); stop that job first")
+    except LdformatError as e:
+        error = e
+    gathered = [None] * world
+    dist.all_gather_object(gathered, error, group=group)
+    for refused in gathered:
+        if refused is not None:
+            raise refused
+    committed: int | None = None
+    error = None
+    if rank == 0:
+        try:
+            store = _top_store(path, storage_options)
+            last = newest_commit(store, path)
+            if last is not None:
+                committed = create_commit(store, path, last.step, last).step
+        except LdformatError as e:
+            error = e
+    box: list[Any] = [error, committed]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if box[0] is not None:
+        raise box[0]
+    return ShardedSetup(rank=rank, world_size=world, rank_path=location, committed=box[1])
+
+
+def _agree(error: BaseException | None, group: Any, src: int) -> None:
+    """Rank 0's error, raised on every rank."""
+    import torch.distributed as dist
+
     box: list[Any] = [error]
     dist.broadcast_object_list(box, src=src, group=group)
     if box[0] is not None:
         raise box[0]
-    store = _top_store(path, storage_options)
-    last = newest_commit(store, path)
-    return ShardedSetup(rank=rank, world_size=world, rank_path=rank_location(path, rank),
-                        committed=None if last is None else last.step)
+
+
+def _exists(location: str, storage_options: dict[str, Any] | None) -> bool:
+    from ..log import ROOT_FILE
+
+    loc = parse_location(location)
+    if loc.path is not None:
+        return (loc.path / ROOT_FILE).is_file()
+    return open_store(location, storage_options=storage_options).exists(ROOT_FILE)
 
 
 def _top_store(path: str, storage_options: dict[str, Any] | None) -> Store:
@@ -243,6 +287,9 @@ class Committer:
         with self._lock:
             step, _ = self.common_step()
             if step is not None and (self.last is None or step > self.last.step):
+                for r in self.ranks:  # rule D: a record read before its writer's directory sync is not durable yet
+                    if r.state is not None:
+                        r.store.sync([log_path(r.state.last_seq)])
                 self.last = create_commit(self.store, self.path, step, self.last)
                 ended = self._ended.pop(step, None)
                 for s in [s for s in self._ended if s < step]:
