@@ -429,18 +429,16 @@ def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
     layout); validation compares them (:func:`replica_problems`).
     """
     first = parts[0]
-    full: dict[int, torch.Tensor] = {}  # id of rank 0's tensor -> the assembled one (keeps tied weights tied)
 
     def whole(name: str, pieces: list[torch.Tensor], layout: Layout | None) -> torch.Tensor:
         if layout is None:
             return pieces[0]
         return assemble(layout, dict(enumerate(pieces)), f"{where} {name}")
 
-    model = {}
-    for name, t in first["model"].items():
-        if id(t) not in full:
-            full[id(t)] = whole(f"model/{name}", [p["model"][name] for p in parts], root.tensors.get(f"model/{name}"))
-        model[name] = full[id(t)]
+    aliases = {e["name"]: e["alias_of"] for e in schema["model"] if e.get("alias_of") is not None}
+    full = {name: whole(f"model/{name}", [p["model"][name] for p in parts], root.tensors.get(f"model/{name}"))
+            for name in first["model"] if name not in aliases}
+    model = {name: full[aliases.get(name, name)] for name in first["model"]}  # tied weights stay one tensor
     optimizer = dict(first["optimizer"])
     names: list[str] = list(schema["optimizer"]["params"])
     state = {}

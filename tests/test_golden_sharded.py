@@ -1,0 +1,108 @@
+"""Golden sharded chains of format 1.3 (spec §20, §3.4): every reader must read them bit for bit.
+
+``tests/golden/1.3/`` holds sharded chains written by ``tests/golden/make_golden_sharded.py``
+(FSDP2, two ranks, one chain per kind) and, beside each, the full live state of every step,
+gathered from the shards while the chain was written. The tests never write into them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors
+import torch
+
+import ldformat
+
+GOLDEN = Path(__file__).parent / "golden" / "1.3"
+SPEC_SCHEMAS = Path(__file__).parent.parent / "spec" / "schema"
+INDEX = json.loads((GOLDEN / "sharded.json").read_text())
+NAMES = sorted(INDEX["chains"])
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def load_expected(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+
+
+def test_every_kind_has_a_sharded_golden_chain() -> None:
+    assert {c["kind"] for c in INDEX["chains"].values()} == set(ldformat.KINDS)
+    assert INDEX["format_version"] == "1.3"
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
+def test_materialize_every_step_bitwise(name: str) -> None:
+    before = tree_digest(GOLDEN / name)
+    info = INDEX["chains"][name]
+    reader = ldformat.open_reader(GOLDEN / name / "chain")
+    assert isinstance(reader, ldformat.ShardedReader)
+    assert (reader.kind, reader.world_size, reader.steps, reader.anchors) == (
+        info["kind"], info["world_size"], info["steps"], info["anchors"])
+    expected_steps = sorted(int(p.stem) for p in (GOLDEN / name / "expected").glob("*.safetensors"))
+    assert expected_steps == [s for s in info["steps"] if s > 0]
+    for step in expected_steps:
+        tensors, meta = load_expected(GOLDEN / name / "expected" / f"{step}.safetensors")
+        got = reader.materialize(step)
+        where = f"{name} step {step}"
+        assert got["step"] == step == int(meta["step"])
+        assert list(got["model"]) == json.loads(meta["model_keys"]), where
+        for key, value in got["model"].items():
+            want = tensors[f"model.{key}"]
+            assert value.dtype == want.dtype and value.shape == want.shape, f"{where}: model {key}"
+            assert torch.equal(bits(value), bits(want)), f"{where}: model {key} differs in bits"
+        got_opt = {f"optimizer.{i}.{k}": v for i, s in got["optimizer"]["state"].items()
+                   for k, v in s.items() if isinstance(v, torch.Tensor)}
+        want_opt = {k: v for k, v in tensors.items() if k.startswith("optimizer.")}
+        assert sorted(got_opt) == sorted(want_opt), where
+        for key, want in want_opt.items():
+            assert torch.equal(bits(got_opt[key]), bits(want)), f"{where}: {key} differs in bits"
+        tied = [k for k in got["model"] if got["model"][k] is got["model"].get("embed.weight")]
+        assert tied == ["embed.weight", "head.weight"], f"{where}: tied weights are one tensor"
+    assert tree_digest(GOLDEN / name) == before, "reading changed a golden file"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_validate_deep(name: str) -> None:
+    report = ldformat.validate(GOLDEN / name / "chain", deep=True)
+    assert report.ok, [str(p) for p in report.problems]
+    assert report.steps == len(INDEX["chains"][name]["steps"])
+
+
+def _validator(schema_name: str) -> Any:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((SPEC_SCHEMAS / schema_name).read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_json_schemas(name: str) -> None:
+    chain = GOLDEN / name / "chain"
+    sharded, commit, root = _validator("sharded.schema.json"), _validator("commit.schema.json"), _validator(
+        "root.schema.json")
+    errors = [e.message for e in sharded.iter_errors(json.loads((chain / "sharded.json").read_text()))]
+    assert not errors, errors
+    records = sorted((chain / "commits").glob("*.json"))
+    assert records
+    for path in records:
+        errors = [e.message for e in commit.iter_errors(json.loads(path.read_text()))]
+        assert not errors, (path.name, errors)
+    for rank_root in sorted(chain.glob("ranks/*/ldformat.json")):
+        doc = json.loads(rank_root.read_text())
+        assert doc["format_version"] == "1.3", "rank chains are written as 1.3 (spec §20.1)"
+        errors = [e.message for e in root.iter_errors(doc)]
+        assert not errors, (str(rank_root.relative_to(chain)), errors)
