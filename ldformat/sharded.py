@@ -26,7 +26,7 @@ from .jsonvalue import JSON, parse_json, verify_checksum, with_checksum
 from .log import io_error, now, numbered, read_bounded, writer_name
 from .manifest import KINDS, _check_fields, _require, _require_object
 from .reader import ChainReader, chain_name, open_store
-from .shards import Layout, Shard, assemble, check_covered, check_within, overlaps_differ, parse_shape
+from .shards import Layout, Shard, assemble, check_covered, check_within, overlapping, overlaps_differ, parse_shape
 from .stores import Store, parse_location
 
 SHARDED_ROOT = "sharded.json"
@@ -391,16 +391,18 @@ class ShardedReader:
                                     f"(committed: {len(steps)} steps, latest {steps[-1] if steps else None})")
         return step
 
-    def materialize_ranks(self, step: int | None = None,
-                          progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-        """Every rank's own state at ``step`` (local shards), as :meth:`ChainReader.materialize` gives it."""
+    def materialize_ranks(self, step: int | None = None, progress: Callable[[int, int], None] | None = None,
+                          ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """Each rank's own state at ``step`` (local shards), as :meth:`ChainReader.materialize`
+        gives it, for every rank or for ``ranks``, in that order."""
+        wanted = list(range(self.world_size)) if ranks is None else list(ranks)
         for _attempt in range(READ_ATTEMPTS):
             target = self.check_step(step)
             out = []
-            for r, reader in enumerate(self.ranks):
-                out.append(reader.materialize(target))
+            for n, r in enumerate(wanted, 1):
+                out.append(self.ranks[r].materialize(target))
                 if progress is not None:
-                    progress(r + 1, len(self.ranks))
+                    progress(n, len(wanted))
             if not self.truncated_since(target):
                 return out
             self.refresh()
@@ -418,25 +420,38 @@ class ShardedReader:
         """
         step = self.check_step(step)
         parts = self.materialize_ranks(step, progress)
-        return assemble_state(self.root, parts, f"{self.path} (step {step})", self.ranks[0].root.schema)
+        return assemble_state(self.root, dict(enumerate(parts)), f"{self.path} (step {step})",
+                              self.ranks[0].root.schema)
 
 
-def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
-                   schema: Mapping[str, Any]) -> dict[str, Any]:
-    """The full state from every rank's local state (spec §20.4).
+Region = tuple[tuple[int, ...], tuple[int, ...]]
+"""(offsets, lengths) of a block of a global tensor."""
 
-    Replicated copies are taken from the first rank listed (rank 0 for tensors outside the
-    layout); validation compares them (:func:`replica_problems`).
+
+def assemble_state(root: ShardedRoot, parts: Mapping[int, dict[str, Any]], where: str,
+                   schema: Mapping[str, Any], *, primary: int = 0,
+                   regions: Mapping[str, Region] | None = None) -> dict[str, Any]:
+    """The full state from the ranks' local states (spec §20.4), or, with ``regions``
+    (model name -> block), only those blocks of the laid-out tensors and of the optimizer
+    state sharded like them: what one rank of a resharded job needs (spec §20.6).
+
+    ``parts`` maps rank -> :meth:`ChainReader.materialize` of its rank chain; it must hold
+    every rank whose shard overlaps a block asked for. Replicated tensors, the optimizer
+    structure and the param groups are ``primary``'s (identical in every rank chain); where
+    blocks overlap the first listed shard wins; validation compares copies
+    (:func:`replica_problems`).
     """
-    first = parts[0]
+    first = parts[primary]
+    wanted = regions or {}
 
-    def whole(name: str, pieces: list[torch.Tensor], layout: Layout | None) -> torch.Tensor:
+    def block(stored: str, name: str, layout: Layout | None, pick: Callable[[dict[str, Any]], Any]) -> Any:
         if layout is None:
-            return pieces[0]
-        return assemble(layout, dict(enumerate(pieces)), f"{where} {name}")
+            return pick(first)
+        return assemble(layout, {r: pick(p) for r, p in parts.items() if r in overlapping(layout, wanted.get(name))},
+                        f"{where} {stored}", wanted.get(name))
 
     aliases = {e["name"]: e["alias_of"] for e in schema["model"] if e.get("alias_of") is not None}
-    full = {name: whole(f"model/{name}", [p["model"][name] for p in parts], root.tensors.get(f"model/{name}"))
+    full = {name: block(f"model/{name}", name, root.tensors.get(f"model/{name}"), _model_tensor(name))
             for name in first["model"] if name not in aliases}
     model = {name: full[aliases.get(name, name)] for name in first["model"]}  # tied weights stay one tensor
     optimizer = dict(first["optimizer"])
@@ -446,26 +461,36 @@ def assemble_state(root: ShardedRoot, parts: list[dict[str, Any]], where: str,
         if not (isinstance(key, int) and 0 <= key < len(names) and isinstance(value, dict)):
             state[key] = value
             continue
-        layout = root.tensors.get(f"model/{names[key]}")
+        name = names[key]
+        layout = root.tensors.get(f"model/{name}")
         entry = {}
         for k, v in value.items():
-            pieces = [p["optimizer"]["state"][key][k] for p in parts]
             sharded = (layout is not None and layout.split and isinstance(v, torch.Tensor)
-                       and all(isinstance(t, torch.Tensor) and (s := layout.of_rank(r)) is not None
-                               and tuple(t.shape) == s.lengths for r, t in enumerate(pieces)))
+                       and all(isinstance(t := p["optimizer"]["state"][key][k], torch.Tensor)
+                               and (s := layout.of_rank(r)) is not None and tuple(t.shape) == s.lengths
+                               for r, p in parts.items()))
             if isinstance(v, torch.Tensor):
-                entry[k] = whole(f"optimizer/{key}/{k}", pieces, layout if sharded else None)
+                entry[k] = block(f"optimizer/{key}/{k}", name, layout if sharded else None, _state_tensor(key, k))
             else:
                 entry[k] = v
         state[key] = entry
     if "state" in optimizer:
         optimizer["state"] = state
-    result: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": first["step"],
-                              "extra": first["extra"], "rank_extra": [p["extra"] for p in parts]}
-    if "compressor" in first:  # top-k residuals, flat per parameter: per shard, then as the full flat tensor
-        result["compressor"] = {n: _residual(root, n, [p["compressor"][n] for p in parts], where)
-                                for n in first["compressor"]}
+    result: dict[str, Any] = {"model": model, "optimizer": optimizer, "step": first["step"], "extra": first["extra"]}
+    if regions is None:
+        result["rank_extra"] = [parts[r]["extra"] for r in sorted(parts)]
+        if "compressor" in first:  # top-k residuals, flat per parameter: per shard, then as the full flat tensor
+            result["compressor"] = {n: _residual(root, n, [parts[r]["compressor"][n] for r in sorted(parts)], where)
+                                    for n in first["compressor"]}
     return result
+
+
+def _model_tensor(name: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda part: part["model"][name]
+
+
+def _state_tensor(index: int, key: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda part: part["optimizer"]["state"][index][key]
 
 
 def _residual(root: ShardedRoot, name: str, pieces: list[torch.Tensor], where: str) -> torch.Tensor:

@@ -88,23 +88,50 @@ def local_shard(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(int(o) for o in offsets), tuple(int(n) for n in lengths)
 
 
-def assemble(layout: Layout, pieces: Mapping[int, torch.Tensor], where: str) -> torch.Tensor:
-    """The global tensor from each rank's local piece. The layout covers every element (checked
-    when it was parsed); where shards overlap (replicated placements) the first listed wins, and
-    validation compares the copies (spec §20.4)."""
+def assemble(layout: Layout, pieces: Mapping[int, torch.Tensor], where: str,
+             region: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+    """The global tensor, or the block ``region`` = (offsets, lengths) of it, from the ranks'
+    local pieces. ``pieces`` must hold every rank whose shard overlaps the block
+    (:func:`overlapping`); the layout covers every element (checked when it was parsed). Where
+    shards overlap (replicated placements) the first listed wins, and validation compares the
+    copies (spec §20.4)."""
     from .jsonvalue import parse_dtype
 
     dtype = parse_dtype(layout.dtype)
-    out = torch.empty(layout.shape, dtype=dtype)
+    offsets, lengths = (tuple(0 for _ in layout.shape), layout.shape) if region is None else region
+    out = torch.empty(tuple(lengths), dtype=dtype)
     for shard in reversed(layout.shards):  # the first listed is written last, so it wins
+        block = _intersection(shard, offsets, lengths)
+        if block is None:
+            continue
         piece = pieces.get(shard.rank)
         if piece is None:
             raise CorruptChainError(f"{where}: rank {shard.rank}'s shard is missing")
         if tuple(piece.shape) != shard.lengths or piece.dtype != dtype:
             raise CorruptChainError(f"{where}: rank {shard.rank}'s shard is {tuple(piece.shape)} {piece.dtype}, "
                                     f"the layout says {shard.lengths} {dtype}")
-        out[shard.region()] = piece
+        lo, hi = block
+        out[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets, strict=True))] = piece[
+            tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, shard.offsets, strict=True))]
     return out
+
+
+def _intersection(shard: Shard, offsets: Sequence[int], lengths: Sequence[int]
+                  ) -> tuple[list[int], list[int]] | None:
+    lo = [max(a, b) for a, b in zip(shard.offsets, offsets, strict=True)]
+    hi = [min(a + m, b + n) for a, m, b, n in zip(shard.offsets, shard.lengths, offsets, lengths, strict=True)]
+    if any(h <= low for low, h in zip(lo, hi, strict=True)):
+        return None
+    return lo, hi
+
+
+def overlapping(layout: Layout, region: tuple[Sequence[int], Sequence[int]] | None) -> set[int]:
+    """The ranks whose shard holds part of ``region`` (all of them for the whole tensor)."""
+    if region is None:
+        return {s.rank for s in layout.shards}
+    if any(n == 0 for n in region[1]):
+        return set()
+    return {s.rank for s in layout.shards if _intersection(s, *region) is not None}
 
 
 def overlaps_differ(layout: Layout, pieces: Mapping[int, torch.Tensor]) -> list[int]:

@@ -28,7 +28,7 @@ from ..topk import TopK
 from ..writer import ChainWriter
 from .extra import Stateful
 from .rng import restore_rng
-from .sharded import load_full_state
+from .sharded import live_regions, load_full_state, needed_ranks
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 log = logging.getLogger("ldformat.capture")
@@ -185,14 +185,21 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         step = reader.anchors[-1] if exact else reader.latest_step
     elif step not in reader.steps:
         raise StepNotFoundError(f"{path}: step {step} is not a committed step of the sharded chain")
-    parts = reader.materialize_ranks(step)
-    state = assemble_state(reader.root, parts, f"{path} (step {step})", reader.ranks[0].root.schema)
-    model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
-    load_full_state(model, optimizer, state)
     distributed = dist.is_available() and dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     same = world == reader.world_size
-    own = parts[rank]["extra"] if same else parts[0]["extra"]
+    model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
+    # Only the blocks this rank holds, from the rank chains that hold part of them (spec §20.6):
+    # at the recording layout that is this rank's own chain.
+    regions = live_regions(model)
+    sources = sorted(needed_ranks(reader.root, regions) | ({rank} if same else set()))
+    primary = rank if same else (sources[0] if sources else 0)
+    sources = sorted(set(sources) | {primary})
+    parts = dict(zip(sources, reader.materialize_ranks(step, ranks=sources), strict=True))
+    state = assemble_state(reader.root, parts, f"{path} (step {step})", reader.ranks[primary].root.schema,
+                           primary=primary, regions=regions)
+    own = parts[primary]["extra"]
+    load_full_state(model, optimizer, state)
     if scheduler is not None and "scheduler" in own:
         scheduler.load_state_dict(own["scheduler"])
     if scaler is not None and "scaler" in own:
@@ -203,7 +210,7 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         if "rng" in own:
             restore_rng(own["rng"])
         if compressor is not None:
-            compressor.load_residuals(parts[rank].get("compressor", {}))
+            compressor.load_residuals(parts[rank].get("compressor", {}))  # this rank's own shard
     elif rank == 0:
         log.warning("%s: written at world size %d, resumed at %d: model and optimizer are restored exactly; "
                     "RNG states, data positions and top-k residuals are per rank and are not restored",

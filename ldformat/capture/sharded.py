@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from ..sharded import (
     rank_location,
     read_sharded_root,
 )
-from ..shards import Layout, Shard, is_dtensor, local, local_shard
+from ..shards import Layout, Shard, is_dtensor, local, local_shard, overlapping
 from ..stores import Store, open_store, parse_location
 from .tuning import CaptureStats
 
@@ -346,12 +347,24 @@ def commit_now(committer: Committer | None, group: Any, durable: int | None) -> 
 
 
 
-def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
-    """Load a full unsharded state into live objects that may be sharded: each DTensor gets its
-    own slice (spec §20.6), so any world size or mesh reads any chain."""
-    import torch.distributed as dist
+def live_regions(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The block (offsets, lengths) of every DTensor this rank holds, by state_dict key."""
+    return {name: local_shard(t) for name, t in model.state_dict(keep_vars=True).items() if is_dtensor(t)}
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+def needed_ranks(root: ShardedRoot, regions: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> set[int]:
+    """The rank chains that hold part of what this rank needs: the blocks of ``regions``, and
+    the whole of every laid-out tensor this rank holds unsharded."""
+    out: set[int] = set()
+    for name, layout in root.tensors.items():
+        out |= overlapping(layout, regions.get(name[len("model/"):]))
+    return out
+
+
+def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]) -> None:
+    """Load a state into live objects that may be sharded (spec §20.6): a DTensor takes its own
+    block, given either as that block or within the full tensor, so any world size or mesh
+    reads any chain."""
     live = model.state_dict(keep_vars=True)
     missing = sorted(set(live) - set(state["model"]))
     if missing:
@@ -359,15 +372,11 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
                          "is it the same model?")
     with torch.no_grad():
         for name, t in live.items():
-            src = state["model"][name]
-            if tuple(src.shape) != tuple(t.shape):
-                raise UsageError(f"model state {name!r} is {tuple(src.shape)} in the checkpoint, "
+            piece = _block(t, state["model"][name])
+            if piece is None:
+                raise UsageError(f"model state {name!r} is {tuple(state['model'][name].shape)} in the checkpoint, "
                                  f"{tuple(t.shape)} in the model")
-            if is_dtensor(t):
-                offsets, lengths = local_shard(t)
-                local(t).copy_(src[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))])
-            else:
-                t.copy_(src)
+            local(t).copy_(piece)
     if optimizer is None:
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -378,17 +387,30 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         if p is None or not is_dtensor(p) or not isinstance(value, dict):
             per_param[key] = value
             continue
-        per_param[key] = {k: _like(p, v, rank) for k, v in value.items()}
+        per_param[key] = {k: _like(p, v) for k, v in value.items()}
     optimizer.load_state_dict({**osd, "state": per_param} if "state" in osd else osd)
 
 
-def _like(p: torch.Tensor, v: object, rank: int) -> object:
-    """``v`` as a DTensor placed like ``p`` when it has ``p``'s global shape (a state tensor of ``p``)."""
-    if not isinstance(v, torch.Tensor) or v.dim() == 0 or tuple(v.shape) != tuple(p.shape):
+def _block(t: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None:
+    """``src`` as the part of ``t`` this rank holds: ``t``'s own block, or cut from the full tensor."""
+    if not is_dtensor(t):
+        return src if tuple(src.shape) == tuple(t.shape) else None
+    offsets, lengths = local_shard(t)
+    if tuple(src.shape) == lengths:
+        return src
+    if tuple(src.shape) == tuple(t.shape):
+        return src[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))]
+    return None
+
+
+def _like(p: torch.Tensor, v: object) -> object:
+    """A state tensor of the DTensor parameter ``p`` (its shape, or its block's) as a DTensor placed like ``p``."""
+    if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return v
+    piece = _block(p, v)
+    if piece is None:
         return v
     from torch.distributed.tensor import DTensor
 
-    offsets, lengths = local_shard(p)
-    piece = v[tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))].clone()
-    return DTensor.from_local(piece, p.device_mesh, p.placements,  # type: ignore[attr-defined]
+    return DTensor.from_local(piece.clone(), p.device_mesh, p.placements,  # type: ignore[attr-defined]
                               shape=p.shape, stride=p.stride(), run_check=False)
