@@ -150,9 +150,13 @@ class Checkpointer:
         store: a :class:`Store` to write to instead of the directory ``path``.
         storage_options: settings of the object store at the URL ``path``, overriding its
             environment variables (see :class:`~ldformat.stores.ObjectStore`).
-        process_group: for data-parallel ``lowdiff`` (docs/capture-runtime.md
-            "Data-parallel `lowdiff`"): the Checkpointer runs on rank 0, a
-            :class:`ResidualPeer` on every other rank.
+        process_group: the group of the data-parallel or sharded job (default: the default
+            group). With replicated parameters (DDP) in ``xor`` and ``lowdiff+``, every rank
+            may construct the Checkpointer: rank 0 records the state every rank holds alike,
+            once, and the others are passive (their RNG states and data positions are not
+            recorded). Data-parallel ``lowdiff`` (docs/capture-runtime.md "Data-parallel
+            `lowdiff`"): the Checkpointer runs on rank 0, a :class:`ResidualPeer` on every
+            other rank.
         mirror: replicate the chain in the background to this location (``s3://...``,
             ``memory://name``, a local directory, or a :class:`Store`): training commits
             locally as usual, and a mirror thread runs :func:`ldformat.sync` after commits
@@ -256,16 +260,27 @@ class Checkpointer:
             path, truncate = sharded.rank_path, True
             step = sharded.committed if sharded.committed is not None else step
         self.world_size = 1 if self.sharded else world_size(process_group)
+        # Data parallel (replicated parameters, DDP): in 'xor' and 'lowdiff+' rank 0 records the
+        # state, which every rank holds alike, once; the other ranks' Checkpointers are passive.
+        self._passive = False
+        if self.world_size > 1 and mode in ("xor", "lowdiff+"):
+            self._passive = torch.distributed.get_rank(process_group) != 0
+            self.world_size = 1
         if self.world_size > 1 and (mode != "lowdiff" or anchor_every == "auto"):
             raise UsageError(
-                "with several ranks, run Checkpointer on rank 0 in mode 'lowdiff' with an integer anchor_every, "
-                "and ResidualPeer with the same anchor_every on every other rank"
+                "with several ranks in mode 'lowdiff', run Checkpointer on rank 0 with an integer anchor_every, "
+                "and ResidualPeer with the same anchor_every on every other rank (or use mode 'xor' or 'lowdiff+', "
+                "which need nothing else)"
             )
         self.max_batch_bytes = max_batch_bytes
         self.stats = CaptureStats()
         self.tuning = Tuning(anchor_every, batch_steps, stats=self.stats, max_stall=max_stall,
                              mtbf_s=mtbf_hours * 3600.0, max_batch_bytes=max_batch_bytes, max_lost_s=max_lost_s,
                              max_bytes=max_bytes)
+        self._step = 0
+        self._closed = False
+        if self._passive:
+            return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -273,7 +288,6 @@ class Checkpointer:
         self.pool = BufferPool(queue_depth + 1, pin=self._cuda)
         self._pending: _Pending | None = None
         self._last_pre: float | None = None
-        self._closed = False
         self._last_step_bytes = 0
 
         started = time.perf_counter()
@@ -546,10 +560,12 @@ class Checkpointer:
 
     @property
     def durable_step(self) -> int | None:
-        return self.writer.durable_step
+        return None if self._passive else self.writer.durable_step
 
     def flush(self) -> int | None:
         """Wait for every queued step, commit, and return the last durable step."""
+        if self._passive:
+            return None
         if self._pending is not None and self._pending.post_done:
             self._finalize()
         self._background.join()
@@ -564,8 +580,9 @@ class Checkpointer:
 
         Returns the step restored. The replica equals the chain's state at that step.
         """
-        if self._replica is None:
-            raise UsageError("recover() needs mode='lowdiff+' (the only mode with an in-memory replica)")
+        if self._passive or self._replica is None:
+            raise UsageError("recover() needs mode='lowdiff+' (the only mode with an in-memory replica), on the "
+                             "rank that records (rank 0 with data parallelism)")
         if self._pending is not None and self._pending.post_done:
             self._finalize()
         self._background.join()
@@ -579,6 +596,8 @@ class Checkpointer:
         With a ``mirror``: then one final sync, bounded by ``mirror_timeout`` (a warning
         says how far the mirror stays behind if it does not complete).
         """
+        if self._passive:
+            return None
         if self._closed:
             return self.writer.durable_step
         try:

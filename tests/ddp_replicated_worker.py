@@ -1,0 +1,44 @@
+"""One rank of a DDP job in which every rank constructs a Checkpointer (``xor`` or ``lowdiff+``).
+
+``python ddp_replicated_worker.py RANK WORLD OUTDIR MODE``: rank 0 records the replicated
+state once, the other ranks' Checkpointers are passive; rank 0 saves the live state after
+every step to ``OUTDIR/live.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import ldformat
+
+
+def main() -> None:
+    rank, world, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2))
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = ldformat.Checkpointer(f"{out}/chain", ddp, optimizer, mode=mode, anchor_every=3, batch_steps=2)
+    states = []
+    for step in range(1, 8):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank * 100 + step))
+        optimizer.zero_grad()
+        ddp(x).square().mean().backward()
+        optimizer.step()
+        states.append(({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(optimizer.state_dict())))
+    print(f"rank {rank} closed {ck.close()}", flush=True)
+    if rank == 0:
+        torch.save(states, f"{out}/live.pt")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
