@@ -87,13 +87,18 @@ def _own_layout(model: torch.nn.Module, rank: int) -> dict[str, tuple[str, list[
     return out
 
 
-def _mesh(model: torch.nn.Module) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+def _mesh(model: torch.nn.Module, world: int) -> tuple[tuple[int, ...], tuple[str, ...] | None]:
+    """The job's device mesh: the root of the DTensors' meshes (FSDP2 on a 2-D mesh places its
+    parameters on the data-parallel submesh); the world as one dimension if none spans it."""
     for t in model.state_dict(keep_vars=True).values():
         if is_dtensor(t):
             mesh = t.device_mesh
-            names = mesh.mesh_dim_names
-            return tuple(int(n) for n in mesh.shape), None if names is None else tuple(str(n) for n in names)
-    raise UsageError("the model has no DTensor state, so it is not sharded")
+            root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+            for m in (root, mesh):
+                if m.size() == world:
+                    names = m.mesh_dim_names
+                    return tuple(int(n) for n in m.shape), None if names is None else tuple(str(n) for n in names)
+    return (world,), None
 
 
 def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, kind: str, group: Any,
@@ -129,7 +134,7 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
                 lay = layouts.get(name)
                 shard = Shard(r, tuple(offsets), tuple(lengths))
                 layouts[name] = Layout(dtype, tuple(shape), (*(lay.shards if lay else ()), shard))
-        mesh_shape, dim_names = _mesh(model)
+        mesh_shape, dim_names = _mesh(model, world)
         root = ShardedRoot(chain_id=os.urandom(16).hex(), created=now(), kind=kind, world_size=world,
                            mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts)
         try:

@@ -1,0 +1,570 @@
+"""Sharded training chains: FSDP2, tensor parallel and 2-D (FSDP x TP) under gloo on CPU.
+
+Every rank of a run records the same chain with an ``ldformat.Checkpointer``; the workers
+(tests/sharded_train.py) gather the full live state after every step with
+``get_state_dict(full_state_dict=True)`` and save it, and the checks run here:
+
+* ``open_reader(path).materialize(step)`` equals the gathered live state bit for bit, for every
+  step of every chain (world 1, 2 and 4; FSDP2 with uneven and empty shards, TP, 2-D; modes
+  ``xor``, ``lowdiff``, ``lowdiff+``);
+* ``ldformat.resume`` at another world size or mesh (2->1, 1->2, 2->4, FSDP->TP, TP->FSDP,
+  FSDP->2-D) restores exactly the gathered state of the original run, and training on from it
+  matches a reference that loads that gathered state with ``set_state_dict``;
+* ``ldtools materialize`` (a ``.pt`` file, and ``--format dcp`` loaded on other meshes) and
+  ``ldformat.validate`` / ``ldtools validate``.
+
+Launching workers costs the import of torch, so each world size runs one launch that executes
+many runs one after another (a fresh model and chain each); the launches are module fixtures.
+A run that fails in a worker fails only its own tests: the launch goes on with the next run.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from models import bits
+
+import ldformat
+from ldtools.cli import cli
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+]
+
+WORKER = Path(__file__).with_name("sharded_train.py")
+STEPS = 10  # steps of every recorded chain (anchor_every=4: anchors at 0, 4, 8; step 10 is a delta)
+MORE = 3  # steps trained on after a resume or a load
+MID = 6  # a delta step in the middle of a chain
+WORKER_ARGS: list[str] = []  # extra worker arguments (--no-checkpoint checks the harness alone)
+
+
+# -- the runs --------------------------------------------------------------------------------------
+def chain_run(name: str, layout: str, mode: str, optim: str) -> dict[str, Any]:
+    return {"name": name, "layout": layout, "mode": mode, "optim": optim, "steps": STEPS, "chain": name}
+
+
+def resume_pair(name: str, layout: str, optim: str, src: Path, src_run: str,
+                step: int = STEPS) -> list[dict[str, Any]]:
+    """A run resumed with ldformat.resume from ``src/src_run`` and its reference, which loads the
+    original run's gathered full state at ``step`` with set_state_dict."""
+    resumed = {"name": name, "layout": layout, "optim": optim, "steps": MORE, "resume": str(src / src_run)}
+    if step != STEPS:
+        resumed["resume_step"] = step
+    return [resumed, {"name": f"ref-{name}", "layout": layout, "optim": optim, "steps": MORE,
+                      "load": str(src / f"{src_run}.rank0.pt"), "load_step": step}]
+
+
+def dcp_pair(name: str, layout: str, optim: str, export: Path | None, src: Path, src_run: str) -> list[dict[str, Any]]:
+    """A run that loads the ``ldtools materialize --format dcp`` export, and its reference."""
+    ref = {"name": f"ref-{name}", "layout": layout, "optim": optim, "steps": MORE,
+           "load": str(src / f"{src_run}.rank0.pt"), "load_step": MID}
+    if export is None:  # the export failed: test_dcp_export_loads_on_another_mesh reports why
+        return [ref]
+    return [{"name": name, "layout": layout, "optim": optim, "steps": MORE, "dcp": str(export), "load_step": MID}, ref]
+
+
+W2_CHAINS = [
+    chain_run("fsdp-xor", "fsdp", "xor", "sgd"),
+    chain_run("fsdp-lowdiff", "fsdp", "lowdiff", "adamw"),
+    chain_run("fsdp-lowdiffp", "fsdp", "lowdiff+", "adamw"),
+    chain_run("tp-xor", "tp", "xor", "adamw"),
+    chain_run("tp-lowdiff", "tp", "lowdiff", "adam"),
+    chain_run("tp-lowdiffp", "tp", "lowdiff+", "adamw"),
+]
+W4_CHAINS = [
+    chain_run("fsdp4-xor", "fsdp", "xor", "adam"),
+    chain_run("2d-xor", "2d", "xor", "sgd"),
+    chain_run("2d-lowdiffp", "2d", "lowdiff+", "adamw"),
+]
+W1_CHAINS = [chain_run("fsdp1-xor", "fsdp", "xor", "adamw")]
+
+
+# -- launching ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(world: int, outdir: Path, job: Path, timeout: float, tag: str) -> tuple[list[int | None], str]:
+    """One launch of ``world`` workers; as soon as one fails (or the time is up) kill the others."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    logs = [outdir / f"{tag}.rank{rank}.log" for rank in range(world)]
+    procs: list[subprocess.Popen[bytes]] = []
+    timed_out = False
+    try:
+        for rank, log in enumerate(logs):
+            with open(log, "w") as out:  # a file, not a pipe: a chatty worker can never block on it
+                procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world),
+                     "--out", str(outdir), "--job", str(job), *WORKER_ARGS],
+                    cwd=outdir, env=env, stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:  # never leave a worker behind, whatever happened
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    text = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{log.read_text(errors='replace')[-6000:]}"
+                     for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if log.exists())
+    if timed_out:
+        text = f"(killed after {timeout:.0f} s)\n{text}"
+    return [None if timed_out else p.returncode for p in procs], text
+
+
+@dataclass
+class Launch:
+    """The outputs of one world size's runs: ``outdir/<run>.rank<R>.pt`` per run and rank."""
+
+    outdir: Path
+    world: int
+    failed: dict[str, str] = field(default_factory=dict)  # run -> the workers' output
+    seconds: float = 0.0
+    _cache: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+
+    def record(self, name: str, rank: int = 0) -> dict[str, Any]:
+        """What rank ``rank`` of run ``name`` saw: {"start", "layout", "steps": {step: gathered}}."""
+        if name in self.failed:
+            pytest.fail(f"run {name!r} failed in the workers (world {self.world}):\n{self.failed[name]}")
+        key = (name, rank)
+        if key not in self._cache:
+            self._cache[key] = torch.load(self.outdir / f"{name}.rank{rank}.pt", weights_only=True)
+        return self._cache[key]
+
+    def chain(self, name: str) -> Path:
+        self.record(name)
+        return self.outdir / name
+
+
+def _done(outdir: Path, world: int, name: str) -> bool:
+    return all((outdir / f"{name}.rank{r}.pt").exists() for r in range(world))
+
+
+def launch(outdir: Path, world: int, runs: list[dict[str, Any]], timeout: float) -> Launch:
+    """Run ``runs`` in order on ``world`` workers. A run that fails is recorded and skipped, and
+    the workers are started again for the runs after it (a lost race for the port is retried)."""
+    started = time.monotonic()
+    result = Launch(outdir, world)
+    for attempt in range(len(runs) + 3):
+        pending = [r for r in runs if r["name"] not in result.failed and not _done(outdir, world, r["name"])]
+        if not pending:
+            break
+        job = outdir / f"job{attempt}.json"
+        job.write_text(json.dumps(pending))
+        codes, text = _spawn(world, outdir, job, timeout, f"attempt{attempt}")
+        if codes == [0] * world:
+            continue
+        if os.strerror(errno.EADDRINUSE).lower() in text.lower() or "EADDRINUSE" in text:
+            continue
+        first = next((r["name"] for r in pending if not _done(outdir, world, r["name"])), None)
+        if first is None:
+            break
+        result.failed[first] = text
+    for r in runs:
+        if r["name"] not in result.failed and not _done(outdir, world, r["name"]):
+            result.failed[r["name"]] = "the run never completed (launch attempts used up)"
+    result.seconds = time.monotonic() - started
+    return result
+
+
+@pytest.fixture(scope="module")
+def w2(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """World 2: a chain per layout (FSDP2, TP) and mode."""
+    outdir = tmp_path_factory.mktemp("sharded-w2")
+    return launch(outdir, 2, W2_CHAINS, timeout=240)
+
+
+@dataclass
+class Export:
+    path: Path | None
+    error: str = ""
+
+
+def invoke(*args: Any) -> Any:
+    """ldtools in this process (no process group)."""
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def dcp_export(w2: Launch, tmp_path_factory: pytest.TempPathFactory) -> Export:
+    """``ldtools materialize --format dcp`` of the world-2 FSDP xor chain at step MID."""
+    out = tmp_path_factory.mktemp("sharded-dcp") / "step6"
+    if "fsdp-xor" in w2.failed:
+        return Export(None, "the fsdp-xor chain was not written")
+    result = invoke("materialize", w2.outdir / "fsdp-xor", "--step", MID, "--format", "dcp", "-o", out)
+    if result.exit_code != 0 or not out.is_dir():
+        return Export(None, f"exit {result.exit_code}, exception {result.exception!r}:\n{result.output}")
+    return Export(out)
+
+
+@pytest.fixture(scope="module")
+def w1(w2: Launch, dcp_export: Export, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """World 1: a chain for 1->2; resumes 2->1 (FSDP on one rank, and a plain model); the DCP export."""
+    outdir = tmp_path_factory.mktemp("sharded-w1")
+    runs = [*W1_CHAINS,
+            *resume_pair("r21-fsdp", "fsdp", "sgd", w2.outdir, "fsdp-xor"),
+            *resume_pair("r21-plain", "plain", "sgd", w2.outdir, "fsdp-xor"),
+            *resume_pair("r21-tp-step6", "fsdp", "adam", w2.outdir, "tp-lowdiff", step=MID),
+            *dcp_pair("dcp-w1", "fsdp", "sgd", dcp_export.path, w2.outdir, "fsdp-xor")]
+    return launch(outdir, 1, runs, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def w2b(w1: Launch, w2: Launch, dcp_export: Export, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """World 2 again: resumes 1->2 (FSDP, TP), FSDP->TP; the DCP export on a TP mesh."""
+    outdir = tmp_path_factory.mktemp("sharded-w2b")
+    runs = [*resume_pair("r12-fsdp", "fsdp", "adamw", w1.outdir, "fsdp1-xor"),
+            *resume_pair("r12-tp", "tp", "adamw", w1.outdir, "fsdp1-xor"),
+            *resume_pair("r-fsdp2tp", "tp", "adamw", w2.outdir, "fsdp-lowdiffp"),
+            *dcp_pair("dcp-tp", "tp", "sgd", dcp_export.path, w2.outdir, "fsdp-xor")]
+    return launch(outdir, 2, runs, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def w4(w2: Launch, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """World 4: FSDP2 (a rank with 0 rows) and 2-D chains; resumes 2->4 (FSDP, TP->FSDP, FSDP->2-D)."""
+    outdir = tmp_path_factory.mktemp("sharded-w4")
+    runs = [*W4_CHAINS,
+            *resume_pair("r24-fsdp", "fsdp", "sgd", w2.outdir, "fsdp-xor"),
+            *resume_pair("r24-2d", "2d", "sgd", w2.outdir, "fsdp-xor"),
+            *resume_pair("r24-tp2fsdp", "fsdp", "adamw", w2.outdir, "tp-xor")]
+    return launch(outdir, 4, runs, timeout=360)
+
+
+def _launch(request: pytest.FixtureRequest, name: str) -> Launch:
+    value = request.getfixturevalue(name)
+    assert isinstance(value, Launch)
+    return value
+
+
+# -- comparing ---------------------------------------------------------------------------------------
+def index_layout(gathered: dict[str, Any]) -> dict[str, Any]:
+    """A gathered state (optimizer keyed by FQN, get_optimizer_state_dict layout) in the layout of
+    ``optimizer.state_dict()``: parameters numbered in optimizer order across the groups."""
+    osd = gathered["optimizer"]
+    order = [n for g in osd["param_groups"] for n in g["params"]]
+    groups, i = [], 0
+    for g in osd["param_groups"]:
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(i, i + len(g["params"])))})
+        i += len(g["params"])
+    state = {order.index(n): s for n, s in osd["state"].items()}
+    return {"model": gathered["model"], "optimizer": {"state": state, "param_groups": groups}}
+
+
+def _tensor_diff(where: str, got: Any, want: Any) -> str | None:
+    if not isinstance(want, torch.Tensor):
+        if isinstance(got, torch.Tensor) or got != want:
+            return f"{where}: {got!r} != {want!r}"
+        return None
+    if not isinstance(got, torch.Tensor):
+        return f"{where}: got {type(got).__name__}, want a tensor"
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return f"{where}: got {got.dtype}{list(got.shape)}, want {want.dtype}{list(want.shape)}"
+    if torch.equal(bits(got), bits(want)):
+        return None
+    differ = bits(got) != bits(want)
+    delta = (got.double() - want.double()).abs().max().item() if got.is_floating_point() else float("nan")
+    return f"{where}: {int(differ.sum())} of {want.numel()} elements differ in bits (max |diff| {delta:.3g})"
+
+
+def _plain_groups(groups: Any) -> Any:
+    """param_groups with tuples as lists: torch's own set_optimizer_state_dict turns Adam's betas
+    into a list, and the optimizers take either."""
+    if isinstance(groups, (list, tuple)):
+        return [_plain_groups(g) for g in groups]
+    if isinstance(groups, dict):
+        return {k: _plain_groups(v) for k, v in groups.items()}
+    return groups
+
+
+def state_diffs(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """Every difference between two states in optimizer.state_dict() layout (bits, not values)."""
+    out = []
+    gm, wm = got["model"], want["model"]
+    if set(gm) != set(wm):
+        out.append(f"model keys: missing {sorted(set(wm) - set(gm))}, extra {sorted(set(gm) - set(wm))}")
+    out += [d for k in wm if k in gm if (d := _tensor_diff(f"model[{k!r}]", gm[k], wm[k])) is not None]
+    gs, ws = got["optimizer"]["state"], want["optimizer"]["state"]
+    if set(gs) != set(ws):
+        out.append(f"optimizer state params: got {sorted(gs)}, want {sorted(ws)}")
+    for i in ws:
+        if i not in gs:
+            continue
+        if set(gs[i]) != set(ws[i]):
+            out.append(f"optimizer state[{i}] keys: got {sorted(gs[i])}, want {sorted(ws[i])}")
+        out += [d for k in ws[i] if k in gs[i]
+                if (d := _tensor_diff(f"optimizer state[{i}][{k!r}]", gs[i][k], ws[i][k])) is not None]
+    if _plain_groups(got["optimizer"]["param_groups"]) != _plain_groups(want["optimizer"]["param_groups"]):
+        out.append(f"param_groups: got {got['optimizer']['param_groups']}, want {want['optimizer']['param_groups']}")
+    return out
+
+
+def assert_same(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
+    diffs = state_diffs(got, want)
+    assert not diffs, f"{where}:\n  " + "\n  ".join(diffs[:20])
+
+
+def gathered(launch: Launch, name: str, step: int, rank: int = 0) -> dict[str, Any]:
+    return index_layout(launch.record(name, rank)["steps"][step])
+
+
+# -- the harness itself ----------------------------------------------------------------------------------
+CHAIN_CASES = [("w2", r["name"]) for r in W2_CHAINS] + [("w4", r["name"]) for r in W4_CHAINS] + \
+              [("w1", r["name"]) for r in W1_CHAINS]
+CHAIN_IDS = [f"{w}-{n}" for w, n in CHAIN_CASES]
+
+
+@pytest.mark.parametrize(("world", "name"), CHAIN_CASES, ids=CHAIN_IDS)
+def test_live_ranks_gather_the_same_state(request: pytest.FixtureRequest, world: str, name: str) -> None:
+    """The gathered full state is the same on every rank, and training changed it."""
+    launch = _launch(request, world)
+    first = launch.record(name, 0)
+    assert sorted(first["steps"]) == list(range(STEPS + 1))
+    for rank in range(1, launch.world):
+        for step in first["steps"]:
+            assert_same(gathered(launch, name, step, rank), gathered(launch, name, step), f"rank {rank} step {step}")
+    w0, w10 = first["steps"][0]["model"], first["steps"][STEPS]["model"]
+    assert not torch.equal(w0["embed.weight"], w10["embed.weight"])
+    assert not torch.equal(w0["calls"], w10["calls"])  # the buffer changes on every forward
+
+
+def test_layouts_have_uneven_and_empty_shards(w2: Launch, w4: Launch) -> None:
+    """The runs shard as claimed: 97 rows -> 49/48 and 25/25/25/22, a 1-element parameter with
+    empty shards, TP shards, and 2-D strided shards."""
+    def local(launch: Launch, name: str, key: str) -> list[tuple[int, ...]]:
+        return [tuple(launch.record(name, r)["layout"][key]["local"]) for r in range(launch.world)]
+
+    assert local(w2, "fsdp-xor", "embed.weight") == [(49, 7), (48, 7)]
+    assert local(w2, "fsdp-xor", "gain") == [(1,), (0,)]
+    assert local(w4, "fsdp4-xor", "embed.weight") == [(25, 7), (25, 7), (25, 7), (22, 7)]
+    assert local(w4, "fsdp4-xor", "gain") == [(1,), (0,), (0,), (0,)]
+    assert local(w2, "tp-xor", "block.up.weight") == [(12, 7), (12, 7)]
+    assert local(w2, "tp-xor", "block.down.weight") == [(7, 12), (7, 12)]
+    assert local(w4, "2d-xor", "block.down.weight") == [(4, 12), (4, 12), (3, 12), (3, 12)]
+    assert "_StridedShard" in w4.record("2d-xor")["layout"]["block.up.weight"]["placements"][0]
+
+
+# -- 1, 2: every step of every chain materializes to the live state -----------------------------------
+@pytest.mark.parametrize(("world", "name"), CHAIN_CASES, ids=CHAIN_IDS)
+def test_chain_materializes_every_step_bit_exact(request: pytest.FixtureRequest, world: str, name: str) -> None:
+    launch = _launch(request, world)
+    reader = ldformat.open_reader(launch.chain(name))
+    assert reader.steps == list(range(STEPS + 1))
+    assert reader.latest_step == STEPS
+    problems = []
+    for step in reader.steps:
+        got = reader.materialize(step)
+        assert got["step"] == step
+        assert isinstance(got.get("extra", {}), dict)
+        problems += [f"step {step}: {d}" for d in state_diffs(got, gathered(launch, name, step))]
+    assert not problems, f"{world} {name}: the chain differs from the live run:\n  " + "\n  ".join(problems[:30])
+
+
+@pytest.mark.parametrize(("world", "name"), CHAIN_CASES, ids=CHAIN_IDS)
+def test_chain_validates(request: pytest.FixtureRequest, world: str, name: str) -> None:
+    path = _launch(request, world).chain(name)
+    report = ldformat.validate(path)
+    assert report.ok, report.problems
+    result = invoke("validate", path)
+    assert result.exit_code == 0, f"ldtools validate: exit {result.exit_code}:\n{result.output}"
+
+
+@pytest.mark.parametrize(("world", "name"), [("w2", "fsdp-lowdiffp"), ("w4", "2d-xor")])
+def test_chain_validates_deep(request: pytest.FixtureRequest, world: str, name: str) -> None:
+    """``--deep`` replays between the anchors and compares the bits with the stored anchors."""
+    result = invoke("validate", "--deep", _launch(request, world).chain(name))
+    assert result.exit_code == 0, f"ldtools validate --deep: exit {result.exit_code}:\n{result.output}"
+
+
+# -- 3: resume at another world size or mesh ------------------------------------------------------------
+RESUMES = [  # (launch of the resumed run, run, launch of the chain, chain run, step)
+    ("w1", "r21-fsdp", "w2", "fsdp-xor", STEPS),
+    ("w1", "r21-plain", "w2", "fsdp-xor", STEPS),
+    ("w1", "r21-tp-step6", "w2", "tp-lowdiff", MID),
+    ("w2b", "r12-fsdp", "w1", "fsdp1-xor", STEPS),
+    ("w2b", "r12-tp", "w1", "fsdp1-xor", STEPS),
+    ("w2b", "r-fsdp2tp", "w2", "fsdp-lowdiffp", STEPS),
+    ("w4", "r24-fsdp", "w2", "fsdp-xor", STEPS),
+    ("w4", "r24-2d", "w2", "fsdp-xor", STEPS),
+    ("w4", "r24-tp2fsdp", "w2", "tp-xor", STEPS),
+]
+
+
+@pytest.mark.parametrize(("world", "name", "src_world", "src", "step"), RESUMES, ids=[r[1] for r in RESUMES])
+def test_resume_on_another_mesh_then_train_on(request: pytest.FixtureRequest, world: str, name: str,
+                                              src_world: str, src: str, step: int) -> None:
+    launch, origin = _launch(request, world), _launch(request, src_world)
+    want = gathered(origin, src, step)
+    for rank in range(launch.world):
+        ref = launch.record(f"ref-{name}", rank)
+        assert ref["start"] == step
+        assert_same(gathered(launch, f"ref-{name}", step, rank), want, f"reference rank {rank} (harness)")
+    for rank in range(launch.world):
+        got = launch.record(name, rank)
+        assert got["start"] == step, f"rank {rank}: resume returned {got['start']}, want {step}"
+        assert_same(gathered(launch, name, step, rank), want, f"rank {rank} right after resume at step {step}")
+        for s in range(step + 1, step + MORE + 1):
+            assert_same(gathered(launch, name, s, rank), gathered(launch, f"ref-{name}", s, rank),
+                        f"rank {rank} at step {s}, trained on after the resume")
+
+
+@pytest.fixture
+def keep_rng() -> Iterator[None]:
+    """resume() restores the chain's RNG states into this process: put ours back."""
+    state = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    try:
+        yield
+    finally:
+        torch.set_rng_state(state[0])
+        random.setstate(state[1])
+        np.random.set_state(state[2])
+
+
+def _plain(optim: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from sharded_train import ShardNet, make_optimizer
+
+    torch.manual_seed(0)
+    model = ShardNet()
+    return model, make_optimizer(model, optim)
+
+
+def _snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    import copy
+
+    return {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizer": copy.deepcopy(optimizer.state_dict())}
+
+
+def _train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    from sharded_train import batch
+
+    x, y = batch(step, 0)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    optimizer.step()
+
+
+def _train_on(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> list[dict[str, Any]]:
+    out = []
+    for s in range(step + 1, step + MORE + 1):
+        _train(model, optimizer, s)
+        out.append(_snapshot(model, optimizer))
+    return out
+
+
+@pytest.mark.parametrize(("src", "optim"), [("fsdp-xor", "sgd"), ("tp-lowdiffp", "adamw")])
+@pytest.mark.usefixtures("keep_rng")
+def test_resume_plain_model_without_process_group(w2: Launch, src: str, optim: str) -> None:
+    """A sharded chain resumes into an ordinary model in a process with no process group."""
+    model, opt = _plain(optim)
+    step = ldformat.resume(w2.chain(src), model, opt)
+    assert step == STEPS
+    want = gathered(w2, src, STEPS)
+    assert_same(_snapshot(model, opt), want, "right after resume")
+    ref_model, ref_opt = _plain(optim)
+    ref_model.load_state_dict(want["model"])
+    ref_opt.load_state_dict(want["optimizer"])
+    for s, (got, ref) in enumerate(zip(_train_on(model, opt, step), _train_on(ref_model, ref_opt, step),
+                                       strict=True), start=step + 1):
+        assert_same(got, ref, f"step {s}, trained on after the resume")
+
+
+# -- 4: ldtools materialize ---------------------------------------------------------------------------
+def test_cli_materialize_pt_in_a_fresh_process(w2: Launch, tmp_path: Path) -> None:
+    """``python -m ldtools materialize`` in a process of its own, no process group."""
+    out = tmp_path / "full.pt"
+    proc = subprocess.run([sys.executable, "-m", "ldtools", "materialize", str(w2.chain("fsdp-xor")),
+                           "--step", str(MID), "-o", str(out)],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(out, weights_only=True)
+    assert got["step"] == MID
+    assert_same(got, gathered(w2, "fsdp-xor", MID), f"ldtools materialize --step {MID}")
+
+
+@pytest.mark.parametrize(("world", "name", "step"),
+                         [("w2", "tp-lowdiff", None), ("w2", "fsdp-lowdiffp", 3), ("w4", "2d-xor", MID),
+                          ("w4", "fsdp4-xor", None), ("w1", "fsdp1-xor", MID)])
+def test_cli_materialize_pt(request: pytest.FixtureRequest, tmp_path: Path, world: str, name: str,
+                            step: int | None) -> None:
+    launch = _launch(request, world)
+    out = tmp_path / "full.pt"
+    args = ["materialize", launch.chain(name), "-o", out] + ([] if step is None else ["--step", step])
+    result = invoke(*args)
+    assert result.exit_code == 0, f"exit {result.exit_code}, {result.exception!r}:\n{result.output}"
+    got = torch.load(out, weights_only=True)
+    want_step = STEPS if step is None else step
+    assert got["step"] == want_step
+    assert_same(got, gathered(launch, name, want_step), f"ldtools materialize {name} step {want_step}")
+
+
+DCP_LOADS = [("w1", "dcp-w1"), ("w2b", "dcp-tp")]
+
+
+@pytest.mark.parametrize(("world", "name"), DCP_LOADS, ids=[n for _, n in DCP_LOADS])
+def test_dcp_export_loads_on_another_mesh(request: pytest.FixtureRequest, dcp_export: Export, w2: Launch,
+                                          world: str, name: str) -> None:
+    """Written at world 2 FSDP, loaded with dcp.load at world 1 FSDP and at world 2 TP."""
+    assert dcp_export.path is not None, f"ldtools materialize --format dcp failed: {dcp_export.error}"
+    launch = _launch(request, world)
+    want = gathered(w2, "fsdp-xor", MID)
+    for rank in range(launch.world):
+        assert_same(gathered(launch, f"ref-{name}", MID, rank), want, f"reference rank {rank} (harness)")
+        assert_same(gathered(launch, name, MID, rank), want, f"rank {rank} right after dcp.load")
+        for s in range(MID + 1, MID + MORE + 1):
+            assert_same(gathered(launch, name, s, rank), gathered(launch, f"ref-{name}", s, rank),
+                        f"rank {rank} at step {s}, trained on after dcp.load")
+
+
+def test_dcp_export_loads_without_process_group(dcp_export: Export, w2: Launch) -> None:
+    """The DCP export into an ordinary model in this process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    assert dcp_export.path is not None, f"ldtools materialize --format dcp failed: {dcp_export.error}"
+    model, opt = _plain("sgd")
+    sd: dict[str, Any] = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=dcp_export.path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optimizer"])
+    assert_same(_snapshot(model, opt), gathered(w2, "fsdp-xor", MID), "after dcp.load")
+
+
+def test_every_run_completed(w1: Launch, w2: Launch, w2b: Launch, w4: Launch) -> None:
+    """Every run of every launch completed (the tests of a failed run show its workers' output)."""
+    failed = {f"world {launch.world} {name}": text.strip().splitlines()[-3:]
+              for launch in (w1, w2, w2b, w4) for name, text in launch.failed.items()}
+    seconds = {f"world {launch.world}": round(launch.seconds, 1) for launch in (w1, w2, w2b, w4)}
+    assert not failed, f"failed runs (launch seconds {seconds}): {failed}"
