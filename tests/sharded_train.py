@@ -96,6 +96,15 @@ def build(layout: str, world: int, rank: int) -> tuple[nn.Module, int]:
         fully_shard(model.norm, mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model, rank
+    if layout == "fsdp-mp":  # mixed precision: bf16 compute, fp32 sharded parameters and reduction
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model.block, mesh=mesh, mp_policy=mp)
+        fully_shard(model.norm, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return model, rank
     if layout == "tp":
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, tp_plan())

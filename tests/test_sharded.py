@@ -87,6 +87,8 @@ W2_CHAINS = [
     chain_run("tp-xor", "tp", "xor", "adamw"),
     chain_run("tp-lowdiff", "tp", "lowdiff", "adam"),
     chain_run("tp-lowdiffp", "tp", "lowdiff+", "adamw"),
+    chain_run("fsdpmp-xor", "fsdp-mp", "xor", "adamw"),  # MixedPrecisionPolicy(bf16 params, fp32 reduce)
+    chain_run("fsdpmp-lowdiffp", "fsdp-mp", "lowdiff+", "adamw"),
 ]
 W4_CHAINS = [
     chain_run("fsdp4-xor", "fsdp", "xor", "adam"),
