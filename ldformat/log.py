@@ -105,25 +105,35 @@ def read_bounded(store: Store, path: str, limit: int, where: str) -> bytes:
 
 # -- root ----------------------------------------------------------------------------------
 def read_root(store: Store, where: str) -> RootMetadata:
-    try:
-        data = read_bounded(store, ROOT_FILE, MAX_ROOT_BYTES, f"{where}/{ROOT_FILE}")
-    except FileNotFoundError:
-        raise NotAChainError(f"{where}: not an ldformat chain (no {ROOT_FILE}); check the path") from None
-    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
-        raise NotAChainError(f"{where}: cannot read {ROOT_FILE}: {e.strerror}") from None
+    data = read_root_file(store, ROOT_FILE, MAX_ROOT_BYTES, where, "an ldformat chain")
     return RootMetadata.from_bytes(data, f"{where}/{ROOT_FILE}")
+
+
+def read_root_file(store: Store, name: str, limit: int, where: str, what: str) -> bytes:
+    """The bytes of a root file (``ldformat.json``, ``sharded.json``); NotAChainError without one."""
+    try:
+        return read_bounded(store, name, limit, f"{where}/{name}")
+    except FileNotFoundError:
+        raise NotAChainError(f"{where}: not {what} (no {name}); check the path") from None
+    except (IsADirectoryError, NotADirectoryError, PermissionError) as e:
+        raise NotAChainError(f"{where}: cannot read {name}: {e.strerror}") from None
 
 
 def create_root(store: Store, root: RootMetadata, where: str) -> None:
     """Create the root file exclusively: the last act of creating a chain (spec §7.4)."""
+    create_root_file(store, ROOT_FILE, root.to_bytes(), where, "chain")
+
+
+def create_root_file(store: Store, name: str, data: bytes, where: str, what: str) -> None:
+    """Create a root file exclusively; another process's means a concurrent creation."""
     try:
-        store.create_exclusive(ROOT_FILE, root.to_bytes())
+        store.create_exclusive(name, data)
     except FileExistsError:
         from .errors import ChainExistsError
 
-        raise ChainExistsError(f"{where}: another process created a chain here concurrently") from None
+        raise ChainExistsError(f"{where}: another process created a {what} here concurrently") from None
     except OSError as e:
-        raise io_error(f"{where}/{ROOT_FILE}: cannot create the chain", e) from None
+        raise io_error(f"{where}/{name}: cannot create the {what}", e) from None
 
 
 def io_error(what: str, e: OSError) -> WriterIOError:

@@ -23,7 +23,7 @@ import torch
 
 from .errors import CorruptChainError, LockLostError, NotAChainError, StepNotFoundError
 from .jsonvalue import JSON, parse_json, verify_checksum, with_checksum
-from .log import io_error, now, numbered, read_bounded, writer_name
+from .log import create_root_file, io_error, now, numbered, read_bounded, read_root_file, writer_name
 from .manifest import KINDS, _check_fields, _require, _require_object
 from .reader import ChainReader, chain_name, open_store
 from .shards import Layout, Shard, assemble, check_covered, check_within, overlapping, overlaps_differ, parse_shape
@@ -240,22 +240,12 @@ class Commit:
 
 
 def read_sharded_root(store: Store, where: str) -> ShardedRoot:
-    try:
-        data = read_bounded(store, SHARDED_ROOT, MAX_SHARDED_ROOT_BYTES, f"{where}/{SHARDED_ROOT}")
-    except FileNotFoundError:
-        raise NotAChainError(f"{where}: not a sharded ldformat chain (no {SHARDED_ROOT})") from None
+    data = read_root_file(store, SHARDED_ROOT, MAX_SHARDED_ROOT_BYTES, where, "a sharded ldformat chain")
     return ShardedRoot.from_bytes(data, f"{where}/{SHARDED_ROOT}")
 
 
 def create_sharded_root(store: Store, root: ShardedRoot, where: str) -> None:
-    try:
-        store.create_exclusive(SHARDED_ROOT, root.to_bytes())
-    except FileExistsError:
-        from .errors import ChainExistsError
-
-        raise ChainExistsError(f"{where}: another process created a sharded chain here concurrently") from None
-    except OSError as e:
-        raise io_error(f"{where}/{SHARDED_ROOT}: cannot create the sharded chain", e) from None
+    create_root_file(store, SHARDED_ROOT, root.to_bytes(), where, "sharded chain")
 
 
 def commit_numbers(store: Store) -> list[int]:
