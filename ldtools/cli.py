@@ -368,6 +368,81 @@ def chain_info(reader: ChainReader) -> dict[str, Any]:
     }
 
 
+def sharded_info(reader: ldformat.ShardedReader) -> dict[str, Any]:
+    """What ``ldtools info`` says of a sharded chain (spec section 20)."""
+    from ldformat.jsonvalue import parse_dtype
+
+    steps = reader.steps
+    root = reader.root
+    laid_out = sum(parse_dtype(lay.dtype).itemsize * _numel(lay.shape) for lay in root.tensors.values())
+    return {
+        "path": reader.path,
+        "format_version": root.format_version,
+        "chain_id": root.chain_id,
+        "kind": reader.kind,
+        "optimizer": reader.ranks[0].root.schema["optimizer"]["class"],
+        "world_size": root.world_size,
+        "mesh": {"shape": list(root.mesh_shape), "dim_names": None if root.dim_names is None else list(root.dim_names)},
+        "sharded_tensors": len(root.tensors),
+        "sharded_model_bytes": laid_out,
+        "steps": len(steps),
+        "first_step": steps[0] if steps else None,
+        "latest_step": reader.latest_step,
+        "anchors": reader.anchors,
+        "commits": reader.commit.seq if reader.commit is not None else 0,
+        "pending_steps": sorted({s for r in reader.ranks for s in r.steps} - set(steps)),
+        "bytes_on_disk": reader.bytes_on_disk(),
+        "bytes_per_rank": [r.bytes_on_disk() for r in reader.ranks],
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _sharded_info(reader: ldformat.ShardedReader, as_json: bool) -> None:
+    data = sharded_info(reader)
+    if as_json:
+        _echo(json.dumps(data, indent=2))
+        return
+    mesh = data["mesh"]
+    names = f" ({', '.join(mesh['dim_names'])})" if mesh["dim_names"] else ""
+    _echo(f"chain        {data['path']}  (sharded, format {data['format_version']}, kind {data['kind']})")
+    _echo(f"optimizer    {data['optimizer']}")
+    _echo(f"ranks        {data['world_size']}, mesh {mesh['shape']}{names}; {data['sharded_tensors']} sharded "
+          f"tensors ({human_bytes(data['sharded_model_bytes'])} of model state)")
+    _echo(f"steps        {data['steps']}  ({data['first_step']} .. {data['latest_step']}), "
+          f"{data['commits']} commit records")
+    anchors = data["anchors"]
+    shown = ", ".join(map(str, anchors[:10])) + (" ..." if len(anchors) > 10 else "")
+    _echo(f"anchors      {len(anchors)}  [{shown}]  (anchors in every rank's chain)")
+    if data["pending_steps"]:
+        pending = data["pending_steps"]
+        _echo(f"pending      {len(pending)} step(s) some ranks hold beyond the last commit "
+              f"({pending[0]}..{pending[-1]}); the next writer removes them")
+    per_rank = data["bytes_per_rank"]
+    _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  (per rank {human_bytes(min(per_rank))} .. "
+          f"{human_bytes(max(per_rank))})")
+
+
+def _sharded_log(reader: ldformat.ShardedReader, as_json: bool) -> None:
+    from ldformat.sharded import read_commits
+
+    rows = [{"seq": c.seq, "time": c.time, "step": c.step, "writer": c.writer}
+            for c in read_commits(reader.store, reader.path)]
+    if as_json:
+        _echo(json.dumps(rows, indent=2))
+        return
+    lines = [("SEQ", "TIME", "STEP", "WRITER")] + [(str(r["seq"]), str(r["time"]), str(r["step"]), str(r["writer"]))
+                                                   for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(4)]
+    for line in lines:
+        _echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+
+
 def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
     """The anchor interval and batch size a Checkpointer chose, from the latest step's extra state."""
     latest = reader.latest_step
@@ -393,9 +468,16 @@ def info(chain: str, as_json: bool) -> None:
     once, and optimizer state, as an anchor of that step would hold them); a latest step that
     is not an anchor is replayed from its anchor to measure it, as materialize does.
 
+    A sharded chain (spec section 20) is summarized as a whole (world size, mesh, committed
+    steps, bytes per rank); `ldtools info PATH/ranks/00000` shows one rank's chain.
+
     Example: ldtools info runs/chain --json
     """
-    data = chain_info(ChainReader(chain))
+    reader = ldformat.open_reader(chain)
+    if isinstance(reader, ldformat.ShardedReader):
+        _sharded_info(reader, as_json)
+        return
+    data = chain_info(reader)
     if as_json:
         _echo(json.dumps(data, indent=2))
         return
@@ -454,9 +536,16 @@ def log(chain: str, as_json: bool) -> None:
     The table has a header row (SEQ TIME TYPE DELTAS ANCHORS BYTES REASON); --json prints
     the records alone.
 
+    For a sharded chain, the global commit records (SEQ TIME STEP WRITER); a rank's own log
+    is `ldtools log PATH/ranks/<rank>`.
+
     Example: ldtools log runs/chain
     """
-    reader = ChainReader(chain)
+    opened = ldformat.open_reader(chain)
+    if isinstance(opened, ldformat.ShardedReader):
+        _sharded_log(opened, as_json)
+        return
+    reader = opened
     rows: list[dict[str, Any]] = []
     for r in reader.records:
         steps = sorted(s.step for d in r.deltas for s in d.steps)
@@ -658,18 +747,29 @@ def _progress_bar(show_progress: bool | None, labels: dict[str, str], byte_stage
 @CHAIN
 @click.option("--step", type=int, default=None, help="Step to materialize (default: the latest committed step).")
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
-              help="Output file: .pt (torch.save of the whole state) or .safetensors (model state_dict).")
+              help="Output: a .pt file (torch.save of the whole state), a .safetensors file (model state_dict), "
+                   "or with --format dcp a torch.distributed.checkpoint directory.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "pt", "safetensors", "dcp"]), default="auto",
+              show_default=True, help="Output format; auto takes it from the suffix of -o (.pt, .pth, .safetensors).")
 @click.option("--with-optimizer", is_flag=True, help="With .safetensors: add the flattened optimizer state.")
 @PROGRESS
 @errors_to_exit_codes
-def materialize(chain: str, step: int | None, out: Path, with_optimizer: bool, show_progress: bool | None) -> None:
-    """Write the state of one step as a plain checkpoint file.
+def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimizer: bool,
+                show_progress: bool | None) -> None:
+    """Write the state of one step as a plain checkpoint.
 
     A .pt file holds {"model", "optimizer", "step", "extra"} and loads with
     torch.load(path, weights_only=True); "model" is a state_dict with every key, tied
     weights included. A .safetensors file holds the model as safetensors.torch.save_model
     writes it (tied weights once) and loads with safetensors.torch.load_model(model, path).
     The write is atomic; the file gets the mode the umask gives (0666 & ~umask).
+    --format dcp writes a torch.distributed.checkpoint directory {"model", "optimizer"}
+    (optimizer state keyed by parameter name, as get_optimizer_state_dict lays it out),
+    which dcp.load reads on any world size and mesh.
+
+    A sharded chain (written by every rank of an FSDP2 or tensor-parallel job) gives the
+    full unsharded state: model keys are the FQNs of the unwrapped model, and a .pt file also
+    holds every rank's "rank_extra".
 
     Example: ldtools materialize runs/chain --step 120 -o step120.pt
     """
@@ -677,18 +777,28 @@ def materialize(chain: str, step: int | None, out: Path, with_optimizer: bool, s
     import torch
 
     suffix = out.suffix.lower()
-    if suffix not in (".pt", ".pth", ".safetensors"):
-        raise UsageError(f"{out}: output must end in .pt, .pth or .safetensors")
-    if with_optimizer and suffix != ".safetensors":
-        raise UsageError("--with-optimizer applies to .safetensors output (.pt always holds the optimizer)")
-    reader = ChainReader(chain)
+    if fmt == "auto":
+        if suffix not in (".pt", ".pth", ".safetensors"):
+            raise UsageError(f"{out}: output must end in .pt, .pth or .safetensors, or pass --format")
+        fmt = "safetensors" if suffix == ".safetensors" else "pt"
+    if with_optimizer and fmt != "safetensors":
+        raise UsageError("--with-optimizer applies to .safetensors output (.pt and dcp always hold the optimizer)")
+    reader = ldformat.open_reader(chain)
     target = step if step is not None else reader.latest_step
+    if fmt == "dcp":
+        from ldformat.dcp import export_dcp
+
+        with (_progress_bar(show_progress, {"": f"replaying to step {target}"}) as bar,
+              _about_step(target, "materializing")):
+            written = export_dcp(reader, step, out, progress=bar)
+        _echo(f"wrote step {written} to {out}/ (torch.distributed.checkpoint)")
+        return
     what = f"step {target}" if target is not None else "the output"
     check_output(out, what)
     with (_progress_bar(show_progress, {"": f"replaying to step {target}"}) as bar,
           _about_step(target, "materializing")):
         state = reader.materialize(step, progress=bar)
-    if suffix == ".safetensors":
+    if fmt == "safetensors":
         tensors, metadata = flatten_for_safetensors(state, with_optimizer)
         size = write_output(out, what, lambda f, tmp: safetensors.torch.save_file(tensors, tmp, metadata=metadata))
     else:
@@ -787,6 +897,9 @@ def truncate(chain: str, after: int, yes: bool) -> None:
 
     Example: ldtools truncate runs/chain --after 1200 --yes
     """
+    from ldformat.sharded import refuse_sharded
+
+    refuse_sharded(chain, None, None, "truncated")
     reader = ChainReader(chain)
     later = [s for s in reader.steps if s > after]
     if after not in reader.steps:
