@@ -313,8 +313,14 @@ class ShardedReader:
         if self.store.exists("ldformat.json"):
             raise CorruptChainError(f"{self.path}: holds both {SHARDED_ROOT} and ldformat.json (spec §20.1)")
         self.commit = newest_commit(self.store, self.path)
-        self.ranks = [ChainReader(rank_location(self._location, r), storage_options=self._options)
-                      for r in range(self.root.world_size)]
+        self.ranks = []
+        for r in range(self.root.world_size):
+            location = rank_location(self._location, r)
+            try:
+                self.ranks.append(ChainReader(location, storage_options=self._options))
+            except NotAChainError as e:
+                raise CorruptChainError(f"{location}: rank {r}'s chain of the sharded chain {self.path} is "
+                                        f"missing or unreadable ({e})") from None
         for r, reader in enumerate(self.ranks):
             if reader.kind != self.root.kind:
                 raise CorruptChainError(f"{reader.path}: rank {r}'s chain has kind {reader.kind}, "

@@ -1,0 +1,177 @@
+"""A damaged or crafted sharded chain (spec §20.2, §20.3, §20.7, §21): validate reports it,
+naming the file; readers raise an ldformat error, never another exception, and allocate
+nothing the stored data does not back; ldtools exits with the problem code, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ldformat
+from ldformat.jsonvalue import with_checksum
+from ldformat.sharded import create_commit, newest_commit
+from ldtools.cli import cli
+
+WORKER = Path(__file__).parent / "sharded_crash_worker.py"
+STEPS = 4
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sharded-bad")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(out), str(STEPS)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=180)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outputs.append(p.communicate()[0])
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+    assert ldformat.validate(out / "chain").ok
+    return out / "chain"
+
+
+@pytest.fixture
+def chain(good: Path, tmp_path: Path) -> Path:
+    shutil.copytree(good, tmp_path / "chain")
+    return tmp_path / "chain"
+
+
+def rewrite_root(chain: Path, change: Callable[[dict[str, Any]], None]) -> None:
+    doc = json.loads((chain / "sharded.json").read_text())
+    doc.pop("checksum")
+    change(doc)
+    (chain / "sharded.json").write_text(json.dumps(with_checksum(doc)))
+
+
+def assert_reported(chain: Path, needle: str, where: str) -> None:
+    report = ldformat.validate(chain)
+    assert not report.ok
+    text = "; ".join(str(p) for p in report.problems)
+    assert needle in text and where in text, text
+    with pytest.raises(ldformat.LdformatError):
+        ldformat.open_reader(chain).materialize()
+    result = CliRunner().invoke(cli, ["validate", str(chain)])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    result = CliRunner().invoke(cli, ["materialize", str(chain), "-o", str(chain.parent / "out.pt")])
+    assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
+
+
+def test_flipped_byte_in_the_sharded_root(chain: Path) -> None:
+    data = bytearray((chain / "sharded.json").read_bytes())
+    i = data.index(b'"world_size"') + len(b'"world_size": ')
+    data[i] = ord("3") if data[i] != ord("3") else ord("5")
+    (chain / "sharded.json").write_bytes(bytes(data))
+    assert_reported(chain, "", "sharded.json")
+
+
+@pytest.mark.parametrize(("what", "change", "needle"), [
+    ("coverage gap", lambda d: d["tensors"]["model/a.weight"]["shards"][1]["lengths"].__setitem__(0, 40),
+     "no shard covers"),
+    ("outside the shape", lambda d: d["tensors"]["model/a.weight"]["shards"][1]["offsets"].__setitem__(0, 90),
+     "outside the global shape"),
+    ("rank twice", lambda d: d["tensors"]["model/a.weight"]["shards"][1].__setitem__("rank", 0), "listed twice"),
+    ("not a model name", lambda d: d["tensors"].__setitem__("optimizer/0/x", d["tensors"]["model/a.weight"]),
+     "not a model tensor name"),
+    ("mesh product", lambda d: d["mesh"].__setitem__("shape", [3]), "does not multiply"),
+    ("world size", lambda d: d.__setitem__("world_size", 100_001), "out of range"),
+    ("dimensions", lambda d: d["tensors"]["model/a.weight"].__setitem__("shape", [1] * 65), "dimensions"),
+    ("version", lambda d: d.__setitem__("format_version", "1.2"), "not a sharded format"),
+])
+def test_crafted_layouts_are_refused(chain: Path, what: str, change: Callable[[dict[str, Any]], None],
+                                     needle: str) -> None:
+    rewrite_root(chain, change)
+    assert_reported(chain, needle, "sharded.json")
+
+
+def test_a_huge_claimed_shape_is_refused_without_allocating(chain: Path) -> None:
+    def huge(d: dict[str, Any]) -> None:
+        layout = d["tensors"]["model/a.weight"]
+        layout["shape"] = [2**40, 16]
+        layout["shards"] = [{"rank": r, "offsets": [r * 2**39, 0], "lengths": [2**39, 16]} for r in range(2)]
+
+    rewrite_root(chain, huge)
+    started = time.monotonic()
+    report = ldformat.validate(chain)
+    assert not report.ok and time.monotonic() - started < 30
+    assert "model/a.weight" in "; ".join(str(p) for p in report.problems)
+
+
+def test_a_missing_commit_record(chain: Path) -> None:
+    """Validation checks the whole commit log; a reader needs only the newest record (spec §20.3.2)."""
+    (chain / "commits" / "000000000002.json").unlink()
+    report = ldformat.validate(chain)
+    assert not report.ok
+    assert "commit record missing" in "; ".join(map(str, report.problems))
+    assert "commits/000000000002.json" in "; ".join(map(str, report.problems))
+    assert ldformat.open_reader(chain).materialize()["step"] == STEPS
+
+
+def test_a_commit_naming_a_step_no_rank_holds(chain: Path) -> None:
+    store = ldformat.LocalStore(chain)
+    create_commit(store, str(chain), 99, newest_commit(store, str(chain)))
+    report = ldformat.validate(chain)
+    assert not report.ok and "missing from the chain of rank(s) [0, 1]" in "; ".join(map(str, report.problems))
+
+
+def test_no_commit_record_means_no_committed_step(chain: Path) -> None:
+    shutil.rmtree(chain / "commits")
+    reader = ldformat.open_reader(chain)
+    assert reader.steps == [] and reader.latest_step is None
+    with pytest.raises(ldformat.EmptyChainError):
+        reader.materialize()
+    report = ldformat.validate(chain)
+    assert not report.ok and "no commit record" in "; ".join(map(str, report.problems))
+
+
+def test_a_missing_rank_chain(chain: Path) -> None:
+    shutil.rmtree(chain / "ranks" / "00001")
+    assert_reported(chain, "rank 1's chain is missing", "ranks/00001")
+
+
+def test_both_root_files(chain: Path) -> None:
+    shutil.copy(chain / "ranks" / "00000" / "ldformat.json", chain / "ldformat.json")
+    assert_reported(chain, "both sharded.json and ldformat.json", str(chain))
+
+
+def test_a_flipped_byte_in_a_rank_chain_object_names_it(chain: Path) -> None:
+    anchor = sorted((chain / "ranks" / "00001" / "anchors").rglob("*.safetensors"))[-1]
+    data = bytearray(anchor.read_bytes())
+    data[-3] ^= 0x40
+    anchor.write_bytes(bytes(data))
+    report = ldformat.validate(chain)
+    assert not report.ok
+    assert any("ranks/00001" in str(p) and anchor.name in str(p) for p in report.problems), report.problems
+
+
+def test_pending_steps_beyond_the_last_commit_are_not_committed(chain: Path) -> None:
+    commits = sorted((chain / "commits").glob("*.json"))
+    commits[-1].unlink()  # the last commit never happened: its steps are pending in every rank chain
+    reader = ldformat.open_reader(chain)
+    assert isinstance(reader, ldformat.ShardedReader)
+    assert reader.latest_step is not None and reader.latest_step < STEPS
+    assert STEPS in reader.ranks[0].steps and STEPS not in reader.steps
+    assert ldformat.validate(chain).ok
