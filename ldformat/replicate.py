@@ -52,6 +52,7 @@ from .log import (
 )
 from .manifest import ChainState, ObjectRef, Record, RootMetadata
 from .reader import ChainReader
+from .sharded import is_sharded, refuse_sharded
 from .stores import FaultyStore, LocalStore, MemoryStore, ObjectStore, Store, open_store, parse_location
 from .stores.local import make_directory
 
@@ -181,7 +182,8 @@ def sync(
 
     Raises:
         NotAChainError: ``src`` holds no chain.
-        UsageError: ``dst`` holds something that is neither a chain nor an interrupted
+        UsageError: ``src`` or ``dst`` is a sharded chain (spec §20), or ``dst`` one rank's
+            chain of one; ``dst`` holds something that is neither a chain nor an interrupted
             replica creation; a malformed location.
         ReplicaDivergedError: ``dst`` holds another chain (a different ``chain_id``), or a
             record that differs from ``src``'s record of the same number, or more records
@@ -203,6 +205,11 @@ def sync(
         raise UsageError(f"sync: workers must be >= 1, got {workers}")
     started = time.monotonic()
     src_store, src_name = _open(src, src_options, create=False)
+    if is_sharded(src_store):
+        raise UsageError(f"{src_name}: a sharded chain is not synced by this version of ldformat; copy its whole "
+                         "directory once no job writes it, or materialize a step and copy that")
+    if not isinstance(dst, Store):
+        refuse_sharded(dst, None, dst_options, "synced into")
     reader = ChainReader(src_name, store=src_store)  # NotAChainError before dst is touched
     root_bytes = read_bounded(src_store, ROOT_FILE, MAX_ROOT_BYTES, f"{src_name}/{ROOT_FILE}")
     if RootMetadata.from_bytes(root_bytes, f"{src_name}/{ROOT_FILE}").chain_id != reader.root.chain_id:

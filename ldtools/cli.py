@@ -305,15 +305,7 @@ def full_checkpoint(reader: ChainReader) -> dict[str, int]:
     step = reader.latest_step
     if step is None:
         raise ldformat.EmptyChainError(f"{reader.path}: the chain has no committed step yet")
-    anchor_step, path = reader.state.replay_path(step)
-    if path:
-        replayer = reader.start_replay(anchor_step)
-        reader.replay_steps(replayer, path)
-        replayer.sync_optimizer_tensors()
-        tensors = replayer.tensors
-    else:
-        tensors = reader.load_anchor_tensors(step)
-    state = {n: t for n, t in tensors.items() if not n.startswith("compressor")}
+    state = _stored_state(reader, step)
 
     def nbytes(prefix: str) -> int:
         return sum(t.numel() * t.element_size() for n, t in state.items() if n.startswith(prefix))
@@ -322,18 +314,127 @@ def full_checkpoint(reader: ChainReader) -> dict[str, int]:
             "optimizer_bytes": nbytes("optimizer/")}
 
 
-def _full_checkpoint_or_error(reader: ChainReader) -> tuple[dict[str, int] | None, str | None]:
-    """:func:`full_checkpoint`, or None and why not (info still summarizes a damaged chain)."""
+def _stored_state(reader: ChainReader, step: int) -> dict[str, Any]:
+    """The tensors of ``step`` as an anchor stores them (``model/<name>``, tied weights once;
+    ``optimizer/<index>/<key>``, ``optimizer/ref/...``), replayed from its anchor if need be,
+    without top-k residuals."""
+    anchor_step, path = reader.state.replay_path(step)
+    if path:
+        replayer = reader.start_replay(anchor_step)
+        reader.replay_steps(replayer, path)
+        replayer.sync_optimizer_tensors()
+        tensors = replayer.tensors
+    else:
+        tensors = reader.load_anchor_tensors(step)
+    return {n: t for n, t in tensors.items() if not n.startswith("compressor")}
+
+
+def sharded_full_state(reader: ldformat.ShardedReader) -> dict[str, int]:
+    """The size of the full unsharded state of the latest committed step of a sharded chain.
+
+    Measured without assembling it: rank 0's chain is replayed to that step, and each of its
+    tensors counts at the global shape the layout gives it (a model tensor the layout splits,
+    and an optimizer state tensor shaped like its parameter's shard), else once (a replicated
+    tensor, a scalar such as Adam's ``step``). Model and optimizer bytes of the tensors, tied
+    weights once; unlike :func:`full_checkpoint`, no file header.
+
+    Returns:
+        ``{"step", "bytes", "model_bytes", "optimizer_bytes"}``.
+
+    Raises:
+        EmptyChainError: the chain has no committed step.
+        LdformatError: an object it needs is missing or damaged.
+    """
+    step = reader.latest_step
+    if step is None:
+        raise ldformat.EmptyChainError(f"{reader.path}: the chain has no committed step yet")
+    rank0 = reader.ranks[0]
+    layouts = reader.root.tensors
+    params: list[str] = list(rank0.root.schema["optimizer"]["params"])
+    sizes = {"model/": 0, "optimizer/": 0}
+    for name, t in _stored_state(rank0, step).items():
+        numel = t.numel()
+        if name.startswith("model/"):
+            layout = layouts.get(name)
+            if layout is not None:
+                shard = layout.of_rank(0)
+                if shard is not None and tuple(t.shape) != shard.lengths:
+                    raise ldformat.CorruptChainError(
+                        f"{rank0.path} (step {step}) {name}: rank 0 stores shape {list(t.shape)}, the layout of "
+                        f"{reader.path} says {list(shard.lengths)}")
+                numel = _numel(layout.shape)
+        elif name.startswith("optimizer/"):
+            _, index, _key = (name.split("/", 2) + ["", ""])[:3]
+            param = params[int(index)] if index.isdigit() and int(index) < len(params) else None
+            layout = layouts.get(f"model/{param}") if param is not None else None
+            if layout is not None and layout.split:
+                shard = layout.of_rank(0)
+                mine = shard.lengths if shard is not None else None
+                if tuple(t.shape) == mine or (mine is None and t.dim() == len(layout.shape) and t.dim() > 0):
+                    numel = _numel(layout.shape)
+        else:
+            continue
+        sizes["model/" if name.startswith("model/") else "optimizer/"] += numel * t.element_size()
+    return {"step": step, "bytes": sizes["model/"] + sizes["optimizer/"], "model_bytes": sizes["model/"],
+            "optimizer_bytes": sizes["optimizer/"]}
+
+
+_Reader = TypeVar("_Reader", ChainReader, ldformat.ShardedReader)
+
+
+def _full_state_or_error(reader: _Reader, measure: Callable[[_Reader], dict[str, int]]
+                         ) -> tuple[dict[str, int] | None, str | None]:
+    """``measure(reader)``, or None and why not (info still summarizes a damaged chain)."""
     if reader.latest_step is None:
         return None, None
     try:
         try:
-            return full_checkpoint(reader), None
+            return measure(reader), None
         except ldformat.MissingObjectError:
             reader.refresh()  # a compaction removed what this view of the log referenced
-            return full_checkpoint(reader), None
+            return measure(reader), None
     except LdformatError as e:
         return None, str(e)
+
+
+def _full_checkpoint_or_error(reader: ChainReader) -> tuple[dict[str, int] | None, str | None]:
+    """:func:`full_checkpoint`, or None and why not (info still summarizes a damaged chain)."""
+    return _full_state_or_error(reader, full_checkpoint)
+
+
+def sharded_parent(chain: str) -> tuple[str, int] | None:
+    """``(sharded chain, rank)`` when ``chain`` is one rank's chain of a sharded chain
+    (``<sharded>/ranks/<rank:05d>``), else None (also when that cannot be read)."""
+    from ldformat.reader import open_store
+    from ldformat.sharded import RANKS_DIR, SHARDED_ROOT, is_sharded
+    from ldformat.stores import parse_location
+
+    try:
+        loc = parse_location(chain)
+        if loc.path is not None:
+            here = loc.path
+            if re.fullmatch(r"\d{5}", here.name) and here.parent.name == RANKS_DIR and (
+                    here.parent.parent / SHARDED_ROOT).is_file():
+                return str(here.parent.parent), int(here.name)
+            return None
+        found = re.match(rf"^(.+)/{RANKS_DIR}/(\d{{5}})/*$", chain)
+        if found is not None and is_sharded(open_store(found.group(1), None, None)):
+            return found.group(1), int(found.group(2))
+    except (OSError, LdformatError):
+        pass
+    return None
+
+
+def _sharded_world_size(chain: str) -> int | None:
+    """The world size of the sharded chain ``chain``; None for any other (or unreadable) path."""
+    from ldformat.reader import chain_name, open_store
+    from ldformat.sharded import is_sharded, read_sharded_root
+
+    try:
+        store = open_store(chain, None, None)
+        return read_sharded_root(store, chain_name(chain, None)).world_size if is_sharded(store) else None
+    except (OSError, LdformatError):
+        return None
 
 
 def chain_info(reader: ChainReader) -> dict[str, Any]:
@@ -371,10 +472,15 @@ def chain_info(reader: ChainReader) -> dict[str, Any]:
 def sharded_info(reader: ldformat.ShardedReader) -> dict[str, Any]:
     """What ``ldtools info`` says of a sharded chain (spec section 20)."""
     from ldformat.jsonvalue import parse_dtype
+    from ldformat.sharded import commit_numbers
 
+    full, full_error = _full_state_or_error(reader, sharded_full_state)  # first: it may re-read the logs
     steps = reader.steps
     root = reader.root
     laid_out = sum(parse_dtype(lay.dtype).itemsize * _numel(lay.shape) for lay in root.tensors.values())
+    per_rank = [r.bytes_on_disk() for r in reader.ranks]
+    total = sum(per_rank)
+    full_bytes = full["bytes"] if full is not None else None
     return {
         "path": reader.path,
         "format_version": root.format_version,
@@ -389,10 +495,13 @@ def sharded_info(reader: ldformat.ShardedReader) -> dict[str, Any]:
         "first_step": steps[0] if steps else None,
         "latest_step": reader.latest_step,
         "anchors": reader.anchors,
-        "commits": reader.commit.seq if reader.commit is not None else 0,
+        "commits": len(commit_numbers(reader.store)),
         "pending_steps": sorted({s for r in reader.ranks for s in r.steps} - set(steps)),
-        "bytes_on_disk": reader.bytes_on_disk(),
-        "bytes_per_rank": [r.bytes_on_disk() for r in reader.ranks],
+        "bytes_on_disk": total,
+        "bytes_per_rank": per_rank,
+        "full_checkpoint_bytes": full_bytes,
+        "full_checkpoint": {**(full or {}), "error": full_error},
+        "compression_vs_full_checkpoints": (len(steps) * full_bytes / total) if total and full_bytes else None,
     }
 
 
@@ -401,6 +510,10 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+#: ``info`` lists the bytes of every rank up to this world size, else the smallest and largest.
+RANKS_LISTED = 8
 
 
 def _sharded_info(reader: ldformat.ShardedReader, as_json: bool) -> None:
@@ -414,8 +527,11 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool) -> None:
     _echo(f"optimizer    {data['optimizer']}")
     _echo(f"ranks        {data['world_size']}, mesh {mesh['shape']}{names}; {data['sharded_tensors']} sharded "
           f"tensors ({human_bytes(data['sharded_model_bytes'])} of model state)")
-    _echo(f"steps        {data['steps']}  ({data['first_step']} .. {data['latest_step']}), "
-          f"{data['commits']} commit records")
+    if data["steps"]:
+        _echo(f"steps        {data['steps']} committed ({data['first_step']} .. {data['latest_step']}), "
+              f"{data['commits']} commit records")
+    else:
+        _echo(f"steps        none committed yet, {data['commits']} commit records")
     anchors = data["anchors"]
     shown = ", ".join(map(str, anchors[:10])) + (" ..." if len(anchors) > 10 else "")
     _echo(f"anchors      {len(anchors)}  [{shown}]  (anchors in every rank's chain)")
@@ -424,8 +540,26 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool) -> None:
         _echo(f"pending      {len(pending)} step(s) some ranks hold beyond the last commit "
               f"({pending[0]}..{pending[-1]}); the next writer removes them")
     per_rank = data["bytes_per_rank"]
-    _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  (per rank {human_bytes(min(per_rank))} .. "
-          f"{human_bytes(max(per_rank))})")
+    if len(per_rank) <= RANKS_LISTED:
+        ranks = ", ".join(f"rank {r}: {human_bytes(n)}" for r, n in enumerate(per_rank))
+    else:
+        ranks = f"per rank {human_bytes(min(per_rank))} .. {human_bytes(max(per_rank))}"
+    _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  ({ranks})")
+    full = data["full_checkpoint"]
+    if data["full_checkpoint_bytes"] is not None:
+        _echo(f"full state   {human_bytes(full['bytes'])} at step {full['step']} (model "
+              f"{human_bytes(full['model_bytes'])}, optimizer {human_bytes(full['optimizer_bytes'])}): "
+              "the unsharded state that materialize writes")
+    elif full["error"] is not None:
+        _echo(f"full state   unknown: measuring step {data['latest_step']} from rank 0's chain failed "
+              f"({full['error']}); run `ldtools validate` on the chain")
+    ratio = data["compression_vs_full_checkpoints"]
+    if ratio is not None and ratio >= 1:
+        _echo(f"compression  {ratio:.1f}x smaller than a full checkpoint per step")
+    elif ratio:
+        _echo(f"compression  none yet: the chain takes {1 / ratio:.1f}x the bytes of a full checkpoint per step "
+              f"({data['steps']} step(s) so far)")
+    _echo(f"rank chains  {data['path']}/ranks/<rank>: `ldtools info` or `ldtools log` of one shows that rank's chain")
 
 
 def _sharded_log(reader: ldformat.ShardedReader, as_json: bool) -> None:
@@ -440,7 +574,9 @@ def _sharded_log(reader: ldformat.ShardedReader, as_json: bool) -> None:
                                                    for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(4)]
     for line in lines:
-        _echo("  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip())
+        cells = [cell.rjust(w) if i in (0, 2) else cell.ljust(w)  # numbers to the right
+                 for i, (cell, w) in enumerate(zip(line, widths, strict=True))]
+        _echo("  ".join(cells).rstrip())
 
 
 def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
@@ -469,7 +605,10 @@ def info(chain: str, as_json: bool) -> None:
     is not an anchor is replayed from its anchor to measure it, as materialize does.
 
     A sharded chain (spec section 20) is summarized as a whole (world size, mesh, committed
-    steps, bytes per rank); `ldtools info PATH/ranks/00000` shows one rank's chain.
+    steps, commit records, bytes per rank); its "full state" is the size of the unsharded
+    model and optimizer tensors of the latest committed step (what materialize writes),
+    measured from rank 0's chain and the layout without assembling them. `ldtools info
+    PATH/ranks/00000` shows one rank's chain.
 
     Example: ldtools info runs/chain --json
     """
@@ -482,6 +621,10 @@ def info(chain: str, as_json: bool) -> None:
         _echo(json.dumps(data, indent=2))
         return
     _echo(f"chain        {data['path']}  (format {data['format_version']}, kind {data['kind']})")
+    parent = sharded_parent(chain)
+    if parent is not None:
+        _echo(f"part of      the sharded chain {parent[0]}, as rank {parent[1]}: this chain holds that rank's local "
+              f"shards; `ldtools info {parent[0]}` summarizes the whole")
     _echo(f"optimizer    {data['optimizer']}")
     _echo(f"steps        {data['steps']}  ({data['first_step']} .. {data['latest_step']})")
     anchors = data["anchors"]
@@ -529,23 +672,41 @@ def info(chain: str, as_json: bool) -> None:
 @cli.command()
 @CHAIN
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="With a sharded chain: list the commit records of this rank's own chain instead.")
 @errors_to_exit_codes
-def log(chain: str, as_json: bool) -> None:
+def log(chain: str, as_json: bool, rank: int | None) -> None:
     """List the commit records in effect, oldest first.
 
     The table has a header row (SEQ TIME TYPE DELTAS ANCHORS BYTES REASON); --json prints
     the records alone.
 
-    For a sharded chain, the global commit records (SEQ TIME STEP WRITER); a rank's own log
-    is `ldtools log PATH/ranks/<rank>`.
+    For a sharded chain, the global commit records (SEQ TIME STEP WRITER): a step is
+    committed once a record names it (or a later step) and every rank's chain holds it.
+    --rank R lists rank R's own chain instead (the same as `ldtools log PATH/ranks/<R>`).
 
     Example: ldtools log runs/chain
     """
     opened = ldformat.open_reader(chain)
     if isinstance(opened, ldformat.ShardedReader):
-        _sharded_log(opened, as_json)
-        return
-    reader = opened
+        if rank is None:
+            _sharded_log(opened, as_json)
+            return
+        if rank >= opened.world_size:
+            raise UsageError(f"{opened.path}: --rank {rank}: the sharded chain has ranks 0..{opened.world_size - 1}")
+        _chain_log(opened.ranks[rank], as_json)
+    elif rank is not None:
+        parent = sharded_parent(chain)
+        if parent is not None:
+            raise UsageError(f"{opened.path}: --rank applies to a sharded chain; this is rank {parent[1]}'s chain of "
+                             f"{parent[0]} (leave out --rank, or pass {parent[0]})")
+        raise UsageError(f"{opened.path}: --rank applies to a sharded chain; this is an ordinary chain "
+                         "(leave out --rank)")
+    else:
+        _chain_log(opened, as_json)
+
+
+def _chain_log(reader: ChainReader, as_json: bool) -> None:
     rows: list[dict[str, Any]] = []
     for r in reader.records:
         steps = sorted(s.step for d in r.deltas for s in d.steps)
@@ -785,18 +946,24 @@ def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimize
         raise UsageError("--with-optimizer applies to .safetensors output (.pt and dcp always hold the optimizer)")
     reader = ldformat.open_reader(chain)
     target = step if step is not None else reader.latest_step
+    if isinstance(reader, ldformat.ShardedReader):
+        label = f"reading {reader.world_size} rank chains at step {target}"
+    else:
+        label = f"replaying to step {target}"
+        parent = sharded_parent(chain)
+        if parent is not None:
+            _say(f"ldtools: note: {chain} is rank {parent[1]}'s chain of the sharded chain {parent[0]}: the output "
+                 f"holds that rank's local shards only; materialize {parent[0]} for the full state")
     if fmt == "dcp":
         from ldformat.dcp import export_dcp
 
-        with (_progress_bar(show_progress, {"": f"replaying to step {target}"}) as bar,
-              _about_step(target, "materializing")):
+        with (_progress_bar(show_progress, {"": label}) as bar, _about_step(target, "materializing")):
             written = export_dcp(reader, step, out, progress=bar)
         _echo(f"wrote step {written} to {out}/ (torch.distributed.checkpoint)")
         return
     what = f"step {target}" if target is not None else "the output"
     check_output(out, what)
-    with (_progress_bar(show_progress, {"": f"replaying to step {target}"}) as bar,
-          _about_step(target, "materializing")):
+    with _progress_bar(show_progress, {"": label}) as bar, _about_step(target, "materializing"):
         state = reader.materialize(step, progress=bar)
     if fmt == "safetensors":
         tensors, metadata = flatten_for_safetensors(state, with_optimizer)
@@ -826,9 +993,11 @@ def validate(chain: str, deep: bool, strict: bool, as_json: bool, show_progress:
     Example: ldtools validate runs/chain --deep
     """
     deep = deep or strict
-    labels = {"objects": "checking objects", "replay": "replaying to anchors"}
+    labels = {"objects": "checking objects", "replay": "replaying to anchors",
+              "replicas": "comparing the ranks' copies"}
     with _progress_bar(show_progress, labels) as bar:
         report = ldformat.validate(chain, deep=deep, progress=bar)
+    world = _sharded_world_size(chain)
     compared = len(report.drift) if deep else None
     if strict and report.ok and not compared:
         report.problems.append(ldformat.Problem(report.path, None, (
@@ -845,10 +1014,17 @@ def validate(chain: str, deep: bool, strict: bool, as_json: bool, show_progress:
                 drift = ""
             elif compared:
                 drift = f", replay at {compared} anchors bit-exact"
+                if world is not None:
+                    drift = f", replay bit-exact at {compared} rank-chain anchors"
             else:
                 drift = ("; --deep compared no anchor with a replay (none is reached by replay from another), "
                          "so replay was not checked (--strict makes this an error)")
-            _echo(f"ok: {report.steps} steps, {len(report.anchors)} anchors{drift}")
+            if world is None:
+                _echo(f"ok: {report.steps} steps, {len(report.anchors)} anchors{drift}")
+            else:
+                where = f"{report.steps} committed steps" if deep else f"{len(report.anchors)} anchors"
+                _echo(f"ok: sharded chain of {world} ranks, {report.steps} committed steps, {len(report.anchors)} "
+                      f"anchors, the ranks' copies agree at {where}{drift}")
         else:
             _say(f"invalid: {len(report.problems)} problem(s)")
     if not report.ok:
@@ -924,6 +1100,9 @@ def sync(src: str, dst: str, as_json: bool, show_progress: bool | None) -> None:
     locked while it is written and is a valid chain at every moment. An interrupted sync
     continues where it stopped when run again. A DST that is not a replica of SRC is refused
     (exit 1): delete it, or sync to a new location.
+
+    A sharded chain is not synced by this version (exit 2), nor synced into; one rank's
+    chain of it may be copied out (to a new location), as any chain.
 
     Example: ldtools sync runs/chain /mnt/backup/chain
     """

@@ -1,0 +1,419 @@
+"""``ldtools`` on a sharded chain (spec §20), made by a world-2 FSDP2 job: info, log and
+validate summarize it; materialize writes .pt and .safetensors files bit-identical to
+``open_reader(path).materialize(step)`` at every committed step, and ``--format dcp`` a
+directory that DCP loads on other meshes (a plain model without a process group, FSDP2 at
+world 1); compact, truncate and sync refuse it and leave it unchanged.
+
+The chain is made once per module (tests/sharded_chain_maker.py, ~3 s); the DCP directory is
+loaded in a fresh process, as a job of another world size would load it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+import ldformat
+from ldformat.dcp import dcp_state_dict, export_dcp
+from ldformat.jsonvalue import decode
+from ldformat.sharded import read_commits
+from ldtools.cli import cli
+
+MAKER = Path(__file__).parent / "sharded_chain_maker.py"
+WORLD = 2
+STEPS = 7
+TIMEOUT_S = 120
+
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+]
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def invoke(*args: Any, code: int = 0) -> Result:
+    """ldtools in this process; checks the exit code and that no traceback was printed."""
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert "Traceback" not in result.output, result.output
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise AssertionError(f"ldtools {args} raised {result.exception!r}") from result.exception
+    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}, output:\n{result.output}"
+    return result
+
+
+def error_line(result: Result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ldtools: error: "), result.stderr
+    return lines[0]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as integers (so that -0.0 and NaN payloads count)."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    if t.is_floating_point() or t.is_complex():
+        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[
+            t.element_size()])
+    return t
+
+
+def assert_same(got: Any, want: Any, where: str = "state") -> None:
+    """Deep equality, tensors bit for bit (dtype, shape, bytes); dict order is not compared."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor), f"{where}: {type(got).__name__} is not a tensor"
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype}{tuple(got.shape)}"
+        assert torch.equal(bits(got), bits(want)), f"{where}: bits differ"
+    elif isinstance(want, dict):
+        assert isinstance(got, dict), f"{where}: {type(got).__name__} is not a dict"
+        assert sorted(got, key=repr) == sorted(want, key=repr), f"{where}: keys {list(got)} != {list(want)}"
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
+
+
+def by_name(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """``{"model", "optimizer"}`` of a materialized state with the optimizer keyed by FQN, as
+    ``get_optimizer_state_dict`` / ``get_state_dict`` lay it out."""
+    return dcp_state_dict(state, names)
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and "lock" not in p.parts}
+
+
+def run_maker(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(MAKER), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
+    """Wait for every process (at most TIMEOUT_S in all); kill any left; their outputs."""
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            outputs.append(p.communicate()[0] + f"\n(killed after {TIMEOUT_S} s)")
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n---\n".join(outputs)
+    return outputs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the chain -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A world-2 FSDP2 xor chain of STEPS steps (anchors every 3 steps, commits every 2)."""
+    out = tmp_path_factory.mktemp("cli-sharded")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    finish([run_maker(["make", str(r), str(WORLD), str(out), str(STEPS)], env) for r in range(WORLD)])
+    return out / "chain"
+
+
+@pytest.fixture(scope="module")
+def reader(chain: Path) -> ldformat.ShardedReader:
+    opened = ldformat.open_reader(chain)
+    assert isinstance(opened, ldformat.ShardedReader)
+    assert opened.steps == list(range(STEPS + 1)), opened.steps
+    return opened
+
+
+@pytest.fixture(scope="module")
+def names(reader: ldformat.ShardedReader) -> list[str]:
+    return list(reader.ranks[0].root.schema["optimizer"]["params"])
+
+
+# -- info, log, validate ---------------------------------------------------------------------------
+def test_info_text(chain: Path, reader: ldformat.ShardedReader) -> None:
+    out = invoke("info", chain).stdout
+    assert f"(sharded, format 1.3, kind {reader.kind})" in out
+    assert f"ranks        {WORLD}, mesh [{WORLD}]" in out
+    assert f"steps        {STEPS + 1} committed (0 .. {STEPS})" in out
+    assert f"anchors      {len(reader.anchors)}  [{', '.join(map(str, reader.anchors))}]" in out
+    assert "(rank 0: " in out and ", rank 1: " in out
+    assert "full state   " in out and f"at step {STEPS}" in out
+    rank = invoke("info", chain / "ranks" / "00001").stdout
+    assert f"the sharded chain {chain}, as rank 1" in rank
+
+
+def test_info_json(chain: Path, reader: ldformat.ShardedReader) -> None:
+    data = json.loads(invoke("info", chain, "--json").stdout)
+    assert (data["format_version"], data["kind"], data["world_size"]) == ("1.3", reader.kind, WORLD)
+    assert data["mesh"] == {"shape": [WORLD], "dim_names": None}
+    assert (data["steps"], data["first_step"], data["latest_step"]) == (STEPS + 1, 0, STEPS)
+    assert data["anchors"] == reader.anchors and data["pending_steps"] == []
+    assert data["commits"] == len(list((chain / "commits").glob("*.json"))) == len(read_commits(reader.store, "x"))
+    assert data["bytes_per_rank"] == [r.bytes_on_disk() for r in reader.ranks]
+    assert data["bytes_on_disk"] == sum(data["bytes_per_rank"]) == reader.bytes_on_disk()
+    # The full-state size, measured from rank 0's chain and the layout, is that of the assembled state.
+    full = reader.materialize(STEPS)
+    model = sum(t.numel() * t.element_size() for t in full["model"].values())
+    optimizer = sum(t.numel() * t.element_size() for s in full["optimizer"]["state"].values()
+                    for t in s.values() if isinstance(t, torch.Tensor))
+    assert data["full_checkpoint"] == {"step": STEPS, "bytes": model + optimizer, "model_bytes": model,
+                                       "optimizer_bytes": optimizer, "error": None}
+    assert data["full_checkpoint_bytes"] == model + optimizer
+    assert data["compression_vs_full_checkpoints"] == pytest.approx((STEPS + 1) * (model + optimizer)
+                                                                    / data["bytes_on_disk"])
+
+
+def test_info_of_a_layout_the_ranks_do_not_match(chain: Path, tmp_path: Path) -> None:
+    """A layout (re-checksummed) that claims a bigger tensor than the ranks store: info still
+    summarizes the chain, and says why it cannot size the full state instead of trusting it."""
+    import dataclasses
+    import shutil
+
+    from ldformat.sharded import SHARDED_ROOT, ShardedRoot
+    from ldformat.shards import Layout, Shard
+
+    copy = tmp_path / "chain"
+    shutil.copytree(chain, copy)
+    root = ShardedRoot.from_bytes((copy / SHARDED_ROOT).read_bytes(), "root")
+    big = Layout("float32", (1 << 30, 16), (Shard(0, (0, 0), (1 << 29, 16)), Shard(1, (1 << 29, 0), (1 << 29, 16))))
+    crafted = dataclasses.replace(root, tensors={**root.tensors, "model/a.weight": big})
+    (copy / SHARDED_ROOT).write_bytes(crafted.to_bytes())
+    data = json.loads(invoke("info", copy, "--json").stdout)
+    assert data["full_checkpoint_bytes"] is None and data["compression_vs_full_checkpoints"] is None
+    assert "model/a.weight: rank 0 stores shape [49, 16], the layout" in data["full_checkpoint"]["error"]
+    assert "full state   unknown: measuring step" in invoke("info", copy).stdout
+    assert invoke("validate", copy, code=1).stderr.strip().startswith("invalid:")
+
+
+def test_log(chain: Path, reader: ldformat.ShardedReader) -> None:
+    records = read_commits(reader.store, str(chain))
+    lines = invoke("log", chain).stdout.splitlines()
+    assert lines[0].split() == ["SEQ", "TIME", "STEP", "WRITER"]
+    assert [line.split()[:3] for line in lines[1:]] == [[str(c.seq), c.time, str(c.step)] for c in records]
+    rows = json.loads(invoke("log", chain, "--json").stdout)
+    assert rows == [{"seq": c.seq, "time": c.time, "step": c.step, "writer": c.writer} for c in records]
+    assert rows[-1]["step"] == STEPS
+    # --rank R: that rank's own chain, as `ldtools log PATH/ranks/R` shows it.
+    assert invoke("log", chain, "--rank", 1).stdout == invoke("log", chain / "ranks" / "00001").stdout
+    assert "ranks 0..1" in error_line(invoke("log", chain, "--rank", WORLD, code=2))
+    assert "applies to a sharded chain" in error_line(invoke("log", chain / "ranks" / "00000", "--rank", 0, code=2))
+
+
+def test_validate(chain: Path, reader: ldformat.ShardedReader) -> None:
+    out = invoke("validate", chain).stdout
+    assert out.strip() == (f"ok: sharded chain of {WORLD} ranks, {STEPS + 1} committed steps, "
+                           f"{len(reader.anchors)} anchors, the ranks' copies agree at {len(reader.anchors)} anchors")
+    deep = invoke("validate", chain, "--deep").stdout
+    assert f"the ranks' copies agree at {STEPS + 1} committed steps, replay bit-exact at " in deep
+    report = json.loads(invoke("validate", chain, "--json").stdout)
+    assert report["ok"] and report["steps"] == STEPS + 1
+
+
+# -- materialize -----------------------------------------------------------------------------------
+def test_materialize_pt_every_step(chain: Path, reader: ldformat.ShardedReader, tmp_path: Path) -> None:
+    for step in reader.steps:
+        out = tmp_path / f"s{step}.pt"
+        assert f"wrote step {step} to {out}" in invoke("materialize", chain, "--step", step, "-o", out).stdout
+        got = torch.load(out, weights_only=True)
+        want = reader.materialize(step)
+        assert set(got) == {"model", "optimizer", "step", "extra", "rank_extra"}
+        assert_same(got, want, f"step {step}")
+        assert len(got["rank_extra"]) == WORLD
+    latest = tmp_path / "latest.bin"  # no --step: the latest; --format pt whatever the suffix
+    invoke("materialize", chain, "--format", "pt", "-o", latest)
+    assert_same(torch.load(latest, weights_only=True), reader.materialize(STEPS))
+
+
+def test_materialize_safetensors_every_step(chain: Path, reader: ldformat.ShardedReader, names: list[str],
+                                             tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    for step in reader.steps:
+        want = reader.materialize(step)
+        plain = tmp_path / f"s{step}.safetensors"
+        invoke("materialize", chain, "--step", step, "-o", plain)
+        with safe_open(str(plain), "pt") as f:
+            assert_same({k: f.get_tensor(k) for k in f.keys()}, want["model"], f"step {step}")  # noqa: SIM118
+            assert f.metadata() == {"ldformat.step": str(step)}
+        full = tmp_path / f"o{step}.safetensors"
+        invoke("materialize", chain, "--step", step, "--with-optimizer", "-o", full)
+        with safe_open(str(full), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            metadata = f.metadata()
+        expected = dict(want["model"])
+        for i, state in want["optimizer"]["state"].items():
+            expected.update({f"optimizer.state.{i}.{k}": v for k, v in state.items()})
+        assert_same(tensors, expected, f"step {step} with optimizer")
+        assert decode(json.loads(metadata["optimizer.param_groups"])) == want["optimizer"]["param_groups"]
+    assert "--with-optimizer applies to .safetensors" in error_line(
+        invoke("materialize", chain, "--with-optimizer", "-o", tmp_path / "x.pt", code=2))
+
+
+def test_materialize_errors_name_the_step(chain: Path, tmp_path: Path) -> None:
+    line = error_line(invoke("materialize", chain, "--step", STEPS + 5, "-o", tmp_path / "x.pt", code=1))
+    assert f"step {STEPS + 5} is not a committed step of the sharded chain" in line
+    line = error_line(invoke("materialize", chain, "--step", STEPS + 5, "--format", "dcp", "-o", tmp_path / "d",
+                             code=1))
+    assert f"step {STEPS + 5}" in line and not (tmp_path / "d").exists()
+    assert not (tmp_path / "x.pt").exists() and not list(tmp_path.iterdir())
+
+
+def test_materialize_a_rank_chain_says_it_holds_one_rank(chain: Path, tmp_path: Path) -> None:
+    result = invoke("materialize", chain / "ranks" / "00001", "--step", 2, "-o", tmp_path / "r1.pt")
+    assert "rank 1's chain of the sharded chain" in result.stderr and "local shards only" in result.stderr
+
+
+# -- DCP -------------------------------------------------------------------------------------------
+def test_dcp_export_loads_on_other_meshes(chain: Path, reader: ldformat.ShardedReader, names: list[str],
+                                          tmp_path: Path) -> None:
+    """The DCP directory holds the materialized state, every hyperparameter included, and loads
+    with DCP's own tools, bit for bit, into a plain model (no process group) and into FSDP2 at
+    world 1: meshes other than the world-2 one that wrote the chain."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    step = 5  # between anchors, with a learning rate the schedule changed
+    assert step not in reader.anchors
+    want = reader.materialize(step)
+    out = tmp_path / "dcp"
+    out.mkdir()  # an empty directory is fine
+    assert f"wrote step {step} to {out}/" in invoke("materialize", chain, "--step", step, "--format", "dcp",
+                                                    "-o", out).stdout
+    assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
+    # Everything in it: dcp_to_torch_save reads a checkpoint without a state dict to load into.
+    dcp_to_torch_save(out, tmp_path / "whole.pt")
+    assert_same(torch.load(tmp_path / "whole.pt", weights_only=False), by_name(want, names), "dcp")
+    groups = want["optimizer"]["param_groups"]
+    # The state of a step is captured at its optimizer step, before that step's scheduler.step().
+    assert [g["lr"] for g in groups] == [pytest.approx(0.01 / step)] * 2 and "initial_lr" in groups[0]
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    finish([run_maker(["load", str(out), str(tmp_path / "loaded.pt")], env)])
+    loaded = torch.load(tmp_path / "loaded.pt", weights_only=False)
+    expected = by_name(want, names)
+    assert_same(loaded["plain"], expected, "plain model, no process group")
+    assert_same(loaded["fsdp"], expected, "FSDP2 at world 1")
+    assert_same(loaded["plain_torch"], want["optimizer"], "optimizer.state_dict() of the plain model")
+
+    again = invoke("materialize", chain, "--step", step, "--format", "dcp", "-o", out, code=2)
+    assert "exists and is not an empty directory" in error_line(again)
+    file_out = tmp_path / "file"
+    file_out.write_text("keep")
+    invoke("materialize", chain, "--format", "dcp", "-o", file_out, code=2)
+    assert file_out.read_text() == "keep"
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def test_dcp_write_failure_is_an_output_error(chain: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OS error while DCP writes (here: its data file's name is taken by a directory) is exit 3,
+    naming the output; nothing is left behind."""
+    import tempfile
+
+    real = tempfile.mkdtemp
+
+    def mkdtemp(*args: Any, **kwargs: Any) -> str:
+        made = real(*args, **kwargs)
+        os.mkdir(os.path.join(made, "__0_0.distcp"))
+        return made
+
+    monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
+    out = tmp_path / "sub" / "dcp"
+    line = error_line(invoke("materialize", chain, "--format", "dcp", "-o", out, code=3))
+    assert str(out) in line and "cannot write the DCP checkpoint" in line and "EISDIR" in line
+    assert list((tmp_path / "sub").iterdir()) == []
+
+
+class TaggedSGD(torch.optim.SGD):
+    """SGD whose per-parameter state also holds values that are not tensors. (No string:
+    ``Optimizer.load_state_dict`` itself turns one into the text of a generator, torch 2.x.)"""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["count"] = int(state.get("count", 0)) + 1
+                state["pair"], state["nothing"], state["ratio"], state["on"] = (1, 2.5), None, 0.5, True
+        return loss
+
+
+def test_dcp_export_of_an_ordinary_chain_with_non_tensor_state(tmp_path: Path) -> None:
+    """ldformat.dcp.export_dcp on an ordinary chain: non-tensor optimizer state and extra
+    param-group keys round-trip through DCP into a fresh model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+        groups: list[dict[str, Any]] = [{"params": list(model[0].parameters()), "note": "first"},
+                                        {"params": list(model[1].parameters()), "lr": 0.02, "note": "second"}]
+        return model, TaggedSGD(groups, lr=0.05, momentum=0.9)
+
+    model, opt = build()
+    with ldformat.ChainWriter.create(tmp_path / "chain", model, opt, kind="state.xor") as writer:
+        for step in range(1, 4):
+            opt.zero_grad()
+            model(torch.randn(3, 4)).square().mean().backward()
+            opt.step()
+            writer.record_step(step)
+    assert export_dcp(tmp_path / "chain", None, tmp_path / "dcp") == 3
+    fresh, fresh_opt = build()
+    sd: dict[str, Any] = {"model": get_model_state_dict(fresh),
+                          "optimizer": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(sd, checkpoint_id=str(tmp_path / "dcp"))
+    set_model_state_dict(fresh, sd["model"])
+    set_optimizer_state_dict(fresh, fresh_opt, sd["optimizer"])
+    assert_same(fresh.state_dict(), model.state_dict(), "model")
+    assert_same(fresh_opt.state_dict(), opt.state_dict(), "optimizer")
+    assert fresh_opt.state_dict()["state"][0]["pair"] == (1, 2.5)
+    with pytest.raises(ldformat.UsageError, match="not an empty directory"):
+        export_dcp(tmp_path / "chain", None, tmp_path / "dcp")
+
+
+# -- commands that change a chain ------------------------------------------------------------------
+def test_changing_commands_refuse_the_chain(chain: Path, tmp_path: Path) -> None:
+    before = digest(chain)
+    rank0 = chain / "ranks" / "00000"
+    for target in (chain, rank0):
+        for args in (("compact", target, "--keep-last", 2), ("compact", target, "--max-replay", 1, "--dry-run"),
+                     ("truncate", target, "--after", 2, "--yes")):
+            line = error_line(invoke(*args, code=2))
+            assert str(target) in line and "sharded chain" in line, (args, line)
+            if target == chain:
+                assert "not compacted" in line or "not truncated" in line
+                assert "materialize a step, or resume from it and checkpoint to a new path" in line
+    line = error_line(invoke("sync", chain, tmp_path / "copy", code=2))
+    assert "a sharded chain is not synced" in line and not (tmp_path / "copy").exists()
+    line = error_line(invoke("sync", chain / "ranks" / "00001", rank0, code=2))
+    assert "one rank's chain of a sharded chain" in line
+    invoke("sync", rank0, tmp_path / "rank0-copy")  # copying one rank's chain out only reads it
+    assert digest(chain) == before
