@@ -1,5 +1,6 @@
 """The optimizers of tests/test_optimizer_matrix.py: every ``torch.optim`` class, every
-``pytorch_optimizer`` optimizer that runs plainly on a small model, and a few probe
+``pytorch_optimizer`` optimizer and every ``timm.optim`` class that runs plainly on a small
+model, and a few probe
 optimizers whose state holds each kind of value a ``state_dict`` can hold.
 
 Each :class:`Entry` builds its optimizer for a :class:`MatrixNet` and says how it is
@@ -59,7 +60,7 @@ class Entry:
     """One optimizer of the matrix."""
 
     name: str
-    family: str  # "torch.optim", "pytorch_optimizer" or "probe"
+    family: str  # "torch.optim", "pytorch_optimizer", "timm" or "probe"
     make: MakeOptimizer
     closure: bool = False  # step(closure) runs forward and backward (LBFGS, SAM-type)
     loss_closure: bool = False  # backward first, then step(closure) where the closure returns the loss (AliG)
@@ -231,6 +232,60 @@ def pytorch_optimizer_entries() -> dict[str, Entry]:
                               excluded=f"is torch.optim.{cls.__name__} (covered by the torch.optim entries)")
             continue
         out[name] = _po_entry(name)
+    return out
+
+
+# -- timm ---------------------------------------------------------------------------------------
+# timm's package __init__ imports torchvision (and PIL) for its models and data transforms; the
+# torchvision wheels next to a CPU torch are CUDA builds that do not load. Its optimizers import
+# only torch and each other, so their modules are loaded from timm/optim as a package of their
+# own: the optimizer code is timm's, unchanged.
+_TIMM_PACKAGE = "_timm_optim"
+
+# Documented usage that differs from ``Class(model.parameters())``.
+_TIMM_SPECIAL: dict[str, dict[str, Any]] = {
+    "Lars": {"make": lambda cls, m: cls(m.parameters(), lr=0.05)},
+    "SGDP": {"make": lambda cls, m: cls(m.parameters(), lr=0.05, momentum=0.9)},
+    "SGDW": {"make": lambda cls, m: cls(m.parameters(), lr=0.05, momentum=0.9)},
+    "Adahessian": {"create_graph": True},
+    "Lookahead": {"make": lambda cls, m: cls(torch.optim.AdamW(m.parameters(), lr=0.01), k=2)},
+}
+
+
+def _timm_optim_modules() -> list[Any]:
+    import importlib
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    spec = importlib.util.find_spec("timm")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    where = os.path.join(list(spec.submodule_search_locations)[0], "optim")
+    if _TIMM_PACKAGE not in sys.modules:
+        package = types.ModuleType(_TIMM_PACKAGE)
+        package.__path__ = [where]
+        sys.modules[_TIMM_PACKAGE] = package
+    names = sorted(f[:-3] for f in os.listdir(where)
+                   if f.endswith(".py") and not f.startswith("_") and "factory" not in f)
+    return [importlib.import_module(f"{_TIMM_PACKAGE}.{n}") for n in names]
+
+
+@functools.cache
+def timm_entries() -> dict[str, Entry]:
+    """Every optimizer class of ``timm.optim``, by ``timm.<Class>``; empty without timm."""
+    out = {}
+    for module in _timm_optim_modules():
+        for cls in vars(module).values():
+            if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+                    and cls.__module__ == module.__name__):
+                continue
+            special = _TIMM_SPECIAL.get(cls.__name__, {})
+            make = special.get("make", lambda c, m: c(m.parameters()))
+            name = f"timm.{cls.__name__}"
+            out[name] = Entry(name, "timm", functools.partial(make, cls),
+                              create_graph=special.get("create_graph", False))
     return out
 
 

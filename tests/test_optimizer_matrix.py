@@ -53,6 +53,7 @@ from optimizer_zoo import (
     new_model,
     plain_failure,
     pytorch_optimizer_entries,
+    timm_entries,
     train_step,
 )
 
@@ -345,10 +346,12 @@ def long_matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
 
 TORCH_ENTRIES = {e.name: e for e in TORCH_OPTIM}
 PO_ENTRIES = pytorch_optimizer_entries()
+TIMM_ENTRIES = timm_entries()
 PROBE_ENTRIES = {e.name: e for e in PROBES}
 UNSUPPORTABLE_ENTRIES = {e.name: e for e in UNSUPPORTABLE}
 LATER_ENTRIES = {e.name: e for e in UNSUPPORTABLE_LATER}
-OPTIMIZERS = {**TORCH_ENTRIES, **PO_ENTRIES}  # the matrix proper: real optimizers
+OPTIMIZERS = {**TORCH_ENTRIES, **PO_ENTRIES, **TIMM_ENTRIES}  # the matrix proper: real optimizers
+THIRD_PARTY = {**PO_ENTRIES, **TIMM_ENTRIES}
 EVERYTHING = {**OPTIMIZERS, **PROBE_ENTRIES, **UNSUPPORTABLE_ENTRIES}
 MODES = ["xor", "lowdiff+", "lowdiff"]
 
@@ -436,6 +439,11 @@ def test_xor_pytorch_optimizer(matrix: Matrix, name: str) -> None:
     _check(matrix.get("xor", PO_ENTRIES[name]))
 
 
+@pytest.mark.parametrize("name", sorted(TIMM_ENTRIES))
+def test_xor_timm(matrix: Matrix, name: str) -> None:
+    _check(matrix.get("xor", TIMM_ENTRIES[name]))
+
+
 @pytest.mark.parametrize("name", sorted(PROBE_ENTRIES))
 def test_xor_state_values_the_contract_names(matrix: Matrix, name: str) -> None:
     """Every kind of value the contract lists must round-trip; refusing them is a failure."""
@@ -467,10 +475,10 @@ def test_lowdiff_plus_torch_optim(matrix: Matrix, name: str) -> None:
     _check(matrix.get("lowdiff+", TORCH_ENTRIES[name]))
 
 
-@pytest.mark.parametrize("name", sorted({**PO_ENTRIES, **PROBE_ENTRIES}))
+@pytest.mark.parametrize("name", sorted({**THIRD_PARTY, **PROBE_ENTRIES}))
 def test_lowdiff_plus_other_optimizers_exact_or_refused_cleanly(matrix: Matrix, name: str) -> None:
     """lowdiff+ replays the optimizer: a class it cannot rebuild must be refused up front."""
-    _check(matrix.get("lowdiff+", {**PO_ENTRIES, **PROBE_ENTRIES}[name]))
+    _check(matrix.get("lowdiff+", {**THIRD_PARTY, **PROBE_ENTRIES}[name]))
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -501,6 +509,10 @@ def _assert_xor_matrix(outcomes: list[Outcome], config: Config) -> None:
     runnable = [o for o in outcomes if o.category != EXCLUDED]
     exact = [o for o in runnable if o.category == EXACT]
     assert len(runnable) >= 40, f"only {len(runnable)} runnable optimizers: is pytorch_optimizer installed?"
+    families = {OPTIMIZERS[o.name].family for o in runnable if o.name in OPTIMIZERS}
+    assert {"torch.optim", "pytorch_optimizer", "timm"} <= families, (
+        f"the matrix ran only {sorted(families)}: install the test extra and timm "
+        "(pip install --no-deps timm, which keeps the CPU torch)")
     for o in exact:
         assert o.anchors == config.anchors() and o.checked_steps == list(range(config.steps + 1)), \
             f"{o.name}: anchors {o.anchors}, checked {o.checked_steps}: the run missed anchors or deltas"
@@ -512,7 +524,7 @@ def _assert_xor_matrix(outcomes: list[Outcome], config: Config) -> None:
 
 
 def test_summary_xor(matrix: Matrix, capsys: pytest.CaptureFixture[str]) -> None:
-    outcomes = _summarize(matrix, "xor", OPTIMIZERS, "xor: torch.optim and pytorch_optimizer", capsys)
+    outcomes = _summarize(matrix, "xor", OPTIMIZERS, "xor: torch.optim, pytorch_optimizer and timm", capsys)
     probes = _summarize(matrix, "xor", {**PROBE_ENTRIES, **UNSUPPORTABLE_ENTRIES, **LATER_ENTRIES},
                         "xor: probes", capsys)
     assert not [o.name for o in probes if o.category == SILENT], "silent differences in the probes"
