@@ -5,7 +5,7 @@ forked from this one after the imports (importing Lightning costs seconds; a for
 milliseconds); a forked run has trained nothing before, like a rerun of a script. The config
 is ``{"steps": N, "runs": [RUN, ...]}`` and a run is ``{"name", "chain", "out", "dropout",
 "kill_at", "method", "then"}`` plus options (``batch_steps``, ``wait``, ``loader``:
-``"stateful"`` or ``"plain"``, ``val``, ``accumulate``):
+``"stateful"`` or ``"plain"``, ``val``, ``accumulate``, ``model``: ``"mlp"`` or ``"gpt2"``):
 
 * ``method`` ``"ldformat"``: ``LdformatCheckpoint(chain)`` and
   ``trainer.fit(..., ckpt_path=cb.resume_checkpoint())``; ``"lightning"``: Lightning's own
@@ -72,6 +72,36 @@ class TinyModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class TinyGPT2(L.LightningModule):
+    """A GPT-2 language model built from a ``GPT2Config`` (2 layers, width 32, tied embeddings,
+    dropout in every place GPT-2 has one), nothing downloaded, under AdamW + a step LR schedule."""
+
+    def __init__(self, dropout: float) -> None:
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        super().__init__()
+        config = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
+                            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+        self.net = GPT2LMHeadModel(config)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.net(input_ids=ids, labels=ids).loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+    configure_optimizers = TinyModule.configure_optimizers
+
+
+VOCAB, SEQ = 64, 16
+
+
+def token_dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    return TensorDataset(torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g))
+
+
 def dataset() -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(SAMPLES, 6, generator=g)
@@ -99,10 +129,12 @@ class KillAt(L.Callback):
 def train(run: dict[str, Any], steps: int) -> None:
     torch.set_num_threads(1)  # the bits of a step depend on the thread count
     L.seed_everything(0, verbose=False)
-    model = TinyModule(run["dropout"])
+    gpt2 = run.get("model", "mlp") == "gpt2"
+    model: L.LightningModule = TinyGPT2(run["dropout"]) if gpt2 else TinyModule(run["dropout"])
+    data = token_dataset() if gpt2 else dataset()
     loader_class = StatefulDataLoader if run.get("loader", "stateful") == "stateful" else DataLoader
-    loader = loader_class(dataset(), batch_size=BATCH, shuffle=True)
-    val = DataLoader(dataset(), batch_size=20) if run.get("val") else None
+    loader = loader_class(data, batch_size=BATCH, shuffle=True)
+    val = DataLoader(data, batch_size=20) if run.get("val") else None
     trainer_args: dict[str, Any] = dict(max_steps=steps, accelerator="cpu", devices=1, logger=False,
                                         enable_progress_bar=False, enable_model_summary=False,
                                         deterministic=True, accumulate_grad_batches=run.get("accumulate", 1),

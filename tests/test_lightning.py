@@ -84,6 +84,8 @@ SCENARIOS: dict[str, tuple[dict[str, Any], tuple[int, int], bool]] = {
     "auto-policy": ({"dropout": 0.3}, (10, STEPS - 3), False),
     # step 8 ends the first epoch: the rerun draws the second epoch's shuffle from the recorded RNG
     "plain-loader-epoch-boundary": ({"dropout": 0.3, "batch_steps": 1, "loader": "plain"}, (9, 9), True),
+    # a tiny GPT-2 from a config (tied embeddings, dropout), as the HF Trainer test uses
+    "gpt2-dropout-0.1": ({"dropout": 0.1, "batch_steps": 1, "model": "gpt2", "val": True}, (3, STEPS - 3), True),
 }
 
 
@@ -126,6 +128,8 @@ def test_kill_and_rerun_is_bit_identical(killed_runs: dict[str, Any], name: str)
     if wait:
         assert rerun["resumed_from"] == kill_at - 1, where
     assert rerun["global_step"] == ref["global_step"] == STEPS, where
+    if options.get("model") == "gpt2":
+        assert "net.transformer.h.1.attn.c_attn.weight" in ref["model"], sorted(ref["model"])[:5]
     bad = differing({"model": ref["model"], "optimizer": ref["optimizer"]},
                     {"model": rerun["model"], "optimizer": rerun["optimizer"]})
     assert not bad, f"{where}, resumed from {rerun['resumed_from']}: bits differ in {bad}"
