@@ -9,6 +9,7 @@ the old view re-reads the log when an object it needs has gone.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from .reader import ChainReader
 from .sharded import refuse_sharded
 from .stores import Part, Store
 
+log = logging.getLogger("ldformat.compact")
+
 
 @dataclass
 class CompactionPlan:
@@ -46,6 +49,11 @@ class CompactionPlan:
     dropped_anchors: list[int] = field(default_factory=list)
     merged_deltas: list[tuple[int, int]] = field(default_factory=list)
     removed_objects: list[str] = field(default_factory=list)
+    #: Incomplete multipart uploads below the chain that were aborted (with ``dry_run``: that
+    #: would be), by key; S3 only (spec §7.7).
+    aborted_uploads: list[str] = field(default_factory=list)
+    #: Why incomplete uploads could not be listed or aborted (the compaction itself went on).
+    uploads_problem: str | None = None
     committed: bool = False
 
     @property
@@ -60,6 +68,8 @@ class CompactionPlan:
             "dropped_anchors": self.dropped_anchors,
             "merged_deltas": [list(m) for m in self.merged_deltas],
             "removed_objects": self.removed_objects,
+            "aborted_uploads": self.aborted_uploads,
+            "uploads_problem": self.uploads_problem,
             "committed": self.committed,
         }
 
@@ -119,20 +129,44 @@ def compact(
             URL ``path`` (see :func:`ldformat.stores.open_store`).
 
     Every step that stays materializes bit-identically before and after. Running it twice
-    changes nothing the second time.
+    changes nothing the second time. On S3 it also aborts the incomplete multipart uploads
+    below the chain, which writers killed mid-upload leave (spec §7.7): it holds the writer
+    lock, so no live writer is uploading.
     """
     if max_replay is not None and max_replay < 0:
         raise UsageError("max_replay must be >= 0")
     refuse_sharded(path, store, storage_options, "compacted")
     reader = ChainReader(path, store=store, storage_options=storage_options)
     if dry_run:
-        return _compact(reader, None, max_replay, keep_last, keep_every, progress)
+        plan = _compact(reader, None, max_replay, keep_last, keep_every, progress)
+        _stale_uploads(reader.store, storage_options, plan, abort=False)
+        return plan
     lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
-        return _compact(reader, lock, max_replay, keep_last, keep_every, progress)
+        aborted = CompactionPlan()
+        _stale_uploads(reader.store, storage_options, aborted, abort=True)  # before this writes anything
+        plan = _compact(reader, lock, max_replay, keep_last, keep_every, progress)
+        plan.aborted_uploads, plan.uploads_problem = aborted.aborted_uploads, aborted.uploads_problem
+        return plan
     finally:
         lock.release()
+
+
+def _stale_uploads(store: Store, storage_options: dict[str, Any] | None, plan: CompactionPlan, *,
+                   abort: bool) -> None:
+    """List (and abort) the incomplete multipart uploads below an S3 chain into ``plan``."""
+    from .stores import uploads
+
+    url = getattr(store, "url", None)
+    if not isinstance(url, str) or not uploads.supported(url):
+        return
+    try:
+        found = uploads.list_uploads(url, storage_options)
+        plan.aborted_uploads = uploads.abort_uploads(url, found, storage_options) if abort else [u.key for u in found]
+    except (OSError, UsageError) as e:
+        plan.uploads_problem = str(e)
+        log.warning("%s", e)
 
 
 def retain_from_newest_anchor(path: str, store: Store, lock: WriterLock) -> tuple[list[int], ChainState]:

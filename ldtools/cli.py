@@ -1061,6 +1061,10 @@ def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_ever
                f"write {len(plan.new_anchors)} new anchors {plan.new_anchors[:10]}, "
                f"merge {len(plan.merged_deltas)} xor runs, drop {len(plan.dropped_anchors)} anchors, "
                f"remove {len(plan.removed_objects)} objects")
+    if plan.aborted_uploads:
+        _echo(f"{verb} abort {len(plan.aborted_uploads)} incomplete multipart upload(s) that killed writers left")
+    if plan.uploads_problem:
+        _say(f"ldtools: warning: incomplete multipart uploads were not cleaned up: {plan.uploads_problem}")
 
 
 @cli.command()
