@@ -593,11 +593,40 @@ def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
     return policy if isinstance(policy, dict) else None
 
 
+def mirror_lag(reader: ChainReader, mirror: str) -> dict[str, Any]:
+    """How far the replica at ``mirror`` (made by ``ldtools sync`` or ``Checkpointer(mirror=)``)
+    lags behind ``reader``'s chain: committed steps and records it lacks, and the age of the
+    oldest commit it lacks (by the record's time; 0 when it is up to date).
+
+    Raises:
+        ReplicaDivergedError: ``mirror`` holds another chain.
+    """
+    replica = ChainReader(mirror)
+    if replica.root.chain_id != reader.root.chain_id:
+        raise ldformat.ReplicaDivergedError(
+            f"{mirror}: holds another chain (chain_id {replica.root.chain_id}), not a replica of {reader.path} "
+            f"(chain_id {reader.root.chain_id})")
+    theirs = replica.latest_step
+    missing_steps = [s for s in reader.steps if theirs is None or s > theirs]
+    last_seq = replica.records[-1].seq if replica.records else 0
+    missing = [r for r in reader.records if r.seq > last_seq]
+    age = None
+    if missing:
+        import datetime as dt
+
+        oldest = dt.datetime.fromisoformat(missing[0].time.replace("Z", "+00:00"))
+        age = max(0.0, (dt.datetime.now(dt.timezone.utc) - oldest).total_seconds())
+    return {"mirror": replica.path, "mirror_latest_step": theirs, "lag_steps": len(missing_steps),
+            "lag_records": len(missing), "lag_seconds": 0.0 if age is None else round(age, 3)}
+
+
 @cli.command()
 @CHAIN
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+@click.option("--mirror", "mirror", default=None, metavar="URL",
+              help="Also say how far this replica of the chain (ldtools sync, Checkpointer(mirror=)) lags behind it.")
 @errors_to_exit_codes
-def info(chain: str, as_json: bool) -> None:
+def info(chain: str, as_json: bool, mirror: str | None) -> None:
     """Summarize a chain: steps, anchors, kind, bytes on disk, compression.
 
     "full state" is the size of one full checkpoint of the latest step (model, tied weights
@@ -610,13 +639,21 @@ def info(chain: str, as_json: bool) -> None:
     measured from rank 0's chain and the layout without assembling them. `ldtools info
     PATH/ranks/00000` shows one rank's chain.
 
+    With --mirror URL it also says how far that replica lags: the committed steps and commit
+    records it lacks, and how old the oldest commit it lacks is.
+
     Example: ldtools info runs/chain --json
+    Example: ldtools info runs/chain --mirror s3://bucket/runs/chain
     """
     reader = ldformat.open_reader(chain)
     if isinstance(reader, ldformat.ShardedReader):
+        if mirror is not None:
+            raise UsageError(f"{chain}: a sharded chain has no mirror (spec section 20.8); leave out --mirror")
         _sharded_info(reader, as_json)
         return
     data = chain_info(reader)
+    if mirror is not None:
+        data["mirror"] = mirror_lag(reader, mirror)
     if as_json:
         _echo(json.dumps(data, indent=2))
         return
@@ -667,6 +704,14 @@ def info(chain: str, as_json: bool) -> None:
     env: dict[str, Any] = data["environment"]
     _echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
           f"optimizer path {','.join(env.get('implementation', []))}")
+    lag = data.get("mirror")
+    if lag is not None:
+        if lag["lag_records"] == 0:
+            _echo(f"mirror       {lag['mirror']}: up to date (step {lag['mirror_latest_step']})")
+        else:
+            _echo(f"mirror       {lag['mirror']}: {lag['lag_steps']} step(s) and {lag['lag_records']} commit record(s) "
+                  f"behind (at step {lag['mirror_latest_step']}; the oldest commit it lacks is "
+                  f"{lag['lag_seconds']:.1f} s old); `ldtools sync {data['path']} {lag['mirror']}` catches it up")
 
 
 @cli.command()
