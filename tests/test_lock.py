@@ -217,6 +217,34 @@ def test_cli_takeover_race_exit_codes(tmp_path: Path) -> None:
         assert ldformat.validate(path).ok
 
 
+@pytest.mark.parametrize("command", [["compact", "--max-replay", "2"], ["truncate", "--after", "3", "--yes"],
+                                     ["sync", "SRC"]])
+def test_cli_exits_4_while_a_live_writer_holds_the_lock(tmp_path: Path, command: list[str]) -> None:
+    """The race above cannot force the overlap; a live holder (this process) does: every
+    command that needs the lock exits 4 with one line naming the holder, and changes nothing."""
+    path = tmp_path / "chain"
+    make_chain(path, steps=6)
+    model, optimizer = make_training()
+    ChainReader(path).load_into(model, optimizer)
+    if command[0] == "sync":  # sync takes the destination's lock
+        src = tmp_path / "src"
+        make_chain(src, steps=2)
+        ldformat.sync(src, path / ".." / "replica")
+        path = tmp_path / "replica"
+        ChainReader(path).load_into(model, optimizer)
+        args = ["sync", str(src), str(path)]
+    else:
+        args = [command[0], str(path), *command[1:]]
+    before = ChainReader(path).steps
+    with ChainWriter.open(path, model, optimizer):
+        proc = subprocess.run([sys.executable, "-m", "ldtools", *args], capture_output=True, timeout=120)
+    err = proc.stderr.decode()
+    assert proc.returncode == 4, (proc.returncode, err)
+    assert "locked" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert ChainReader(path).steps == before
+    assert ldformat.validate(path).ok
+
+
 def test_broken_lock_fences_the_old_writer(tmp_path: Path) -> None:
     """A writer whose lock is broken can never commit again, and deletes nothing (spec §15.3)."""
     path = tmp_path / "chain"
