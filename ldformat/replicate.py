@@ -227,6 +227,11 @@ def sync(
         job.run()
     finally:
         if job.fenced:
+            # A release that fails (the store is down) leaves the lock held by this process, which
+            # is alive: remember it, so that the next sync here continues with it instead of
+            # finding the replica locked by a running writer (this process) until it exits.
+            with _UNFENCED_LOCK:
+                _RELEASING[dst_name] = lock
             lock.release()
         else:
             # Taken over from a holder that may still run, and not fenced: the lock stays held,
@@ -243,6 +248,9 @@ def sync(
 #: instead of finding it held by a live process (this one).
 _UNFENCED: dict[str, WriterLock] = {}
 _UNFENCED_LOCK = threading.Lock()
+#: The lock this process released last, by replica (as messages name it): if that release
+#: failed, the replica's newest lock generation is still this one, held by this process.
+_RELEASING: dict[str, WriterLock] = {}
 
 
 def _take_lock(dst: Store, where: str, break_lock: bool, wait_s: float) -> WriterLock:
@@ -250,6 +258,14 @@ def _take_lock(dst: Store, where: str, break_lock: bool, wait_s: float) -> Write
     if owner is not None:
         with _UNFENCED_LOCK:
             mine = _UNFENCED.pop(owner.token, None)
+            released = _RELEASING.get(where)
+            if released is not None and released.owner.token == owner.token:
+                del _RELEASING[where]
+            else:
+                released = None
+        if mine is None and released is not None and released.generation == owner.generation:
+            # Our release failed: the lock is still ours, and was fenced by our records.
+            mine = WriterLock(dst, where, owner, released.previous, took_over=False)
         if mine is not None and mine.generation == owner.generation:
             try:
                 mine.check()

@@ -122,8 +122,9 @@ class MotoServer:
 # -- the fault-injecting proxy ----------------------------------------------------------------
 #: What the proxy does with one request: forward it, answer an HTTP status without
 #: forwarding, reset the connection without forwarding, or forward it and then reset the
-#: connection instead of relaying the answer (the request took effect; the client cannot tell).
-Action = str  # "forward" | "503" | "500" | "429" | "reset" | "reset-after"
+#: connection instead of relaying the answer (the request took effect; the client cannot tell),
+#: or wait :attr:`FaultProxy.slow_s` seconds and then forward it ("slow").
+Action = str  # "forward" | "503" | "500" | "429" | "reset" | "reset-after" | "slow"
 
 _ERROR_BODIES = {
     "503": (503, "Service Unavailable", "SlowDown", "Please reduce your request rate."),
@@ -155,6 +156,8 @@ class FaultProxy:
     #: Bytes per second each connection may send to the client (None: no limit), as a cloud
     #: store limits each connection: what concurrent ranged GETs are for.
     bandwidth: float | None = None
+    #: Seconds a "slow" request waits before it is forwarded.
+    slow_s: float = 0.3
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
@@ -183,8 +186,44 @@ class FaultProxy:
             self.plan = plan
             self.seen.clear()
 
+    def fail_after(self, n: int, action: Action, *, methods: tuple[str, ...] | None = None,
+                   target: str | None = None) -> None:
+        """Forward the first ``n`` requests (of ``methods``, whose target contains ``target``, if
+        given), then inject ``action`` into every later one: a store that goes down mid-way."""
+        self._count_plan(action, methods, target, lambda count: count > n)
+
+    def affect(self, action: Action, *, methods: tuple[str, ...] | None = None, target: str | None = None) -> None:
+        """Inject ``action`` into every request (of ``methods``, whose target contains ``target``)."""
+        self._count_plan(action, methods, target, lambda count: True)
+
+    def set_plan(self, plan: Callable[[str, str, int], Action]) -> None:
+        """Decide each request's action with ``plan(method, target, n)`` from now on."""
+        with self._lock:
+            self.plan = plan
+            self.seen.clear()
+
+    def forward_all(self) -> None:
+        """Forward everything from now on (the store is back)."""
+        self.fail_first(0, "forward")
+
+    def _count_plan(self, action: Action, methods: tuple[str, ...] | None, target: str | None,
+                    hit: Callable[[int], bool]) -> None:
+        count = [0]
+
+        def plan(method: str, request_target: str, _: int) -> Action:  # called holding self._lock
+            if methods is not None and method not in methods:
+                return "forward"
+            if target is not None and target not in request_target:
+                return "forward"
+            count[0] += 1
+            return action if hit(count[0]) else "forward"
+
+        with self._lock:
+            self.plan = plan
+            self.seen.clear()
+
     def faults(self) -> int:
-        return sum(r.action != "forward" for r in self.seen)
+        return sum(r.action not in ("forward", "slow") for r in self.seen)
 
     def close(self) -> None:
         self._stop.set()
@@ -224,6 +263,8 @@ class FaultProxy:
                 if action in _ERROR_BODIES:
                     conn.sendall(_error_response(action, method))
                     continue
+                if action == "slow":
+                    self._stop.wait(self.slow_s)
                 response = self._forward(method, target, headers, body)
                 if action == "reset-after":
                     _reset(conn)

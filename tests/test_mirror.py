@@ -9,18 +9,25 @@
 - ``resume(..., mirror=)``: the local chain gone, the run resumes from the mirror with the
   same state as from the local chain; a divergent local chain defers to a newer mirror
   and wins over an older one.
+- The same with ``mirror="s3://..."`` (a ``moto_server`` on 127.0.0.1 behind a fault
+  proxy, ``s3server.py``): the store answers 503 or resets every connection for a while,
+  starting just after a sync took the mirror's lock (so that its release fails too), then
+  comes back; training is not held up, the lag grows and returns to 0, the mirror equals
+  the local chain bit for bit, and a run resumes from it when the local chain is gone.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import secrets
+import shutil
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -31,6 +38,11 @@ import ldformat.capture.mirror as mirror_mod
 from ldformat import ChainReader
 from ldformat.capture.hooks import open_at_exit
 from ldformat.stores import OPS, FaultyStore, LocalStore, MemoryStore
+
+if TYPE_CHECKING:  # s3server is loaded as a plugin (below), not imported before it
+    from s3server import FaultProxy
+
+pytest_plugins = ["s3server"]  # the fixtures moto, s3_env, s3_url and fault_proxy
 
 LOGGER = "ldformat.capture"
 
@@ -209,3 +221,89 @@ def test_resume_rule_with_a_divergent_local_chain(tmp_path: Path, caplog: pytest
 
     assert ldformat.resume(tmp_path / "newer", model, opt, mirror=mirror) == 12
     assert ChainReader(mirror).latest_step == 8
+
+
+#: Retries fast enough for tests (the defaults allow 30 s).
+S3_FAST_RETRY = {"retry_init_backoff": 0.01, "retry_max_backoff": 0.05, "max_retries": 1, "retry_timeout": 1}
+
+
+def _wait_for(condition: Any, timeout: float, train: Any) -> bool:
+    """Train a step at a time until ``condition()`` holds (at most ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        train(1)
+    return bool(condition())
+
+
+@pytest.mark.parametrize("action", ["503", "reset"])
+def test_s3_mirror_down_then_back(tmp_path: Path, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture,
+                                  action: str) -> None:
+    from s3server import BUCKET
+
+    caplog.set_level(logging.WARNING, LOGGER)
+    url = f"s3://{BUCKET}/mirror-{secrets.token_hex(6)}"
+    local = tmp_path / "chain"
+    model, opt = training()
+    ck = ldformat.Checkpointer(local, model, opt, mode="lowdiff+", anchor_every=4, batch_steps=2, mirror=url,
+                               mirror_options=S3_FAST_RETRY)
+    step_times: list[float] = []
+    step = 0
+
+    def train(n: int) -> None:
+        nonlocal step
+        for _ in range(n):
+            step += 1
+            started = time.perf_counter()
+            train_step(model, opt, step)  # raises if anything reached the training thread
+            step_times.append(time.perf_counter() - started)
+            time.sleep(0.01)
+
+    train(4)
+    assert _wait_for(lambda: ck.stats.mirror_syncs >= 1, 20, train), ck.stats.to_dict()  # mirroring works
+
+    # Down: from just after the next sync took the mirror's lock, every request fails (the
+    # sync's records, objects and its release of the lock included).
+    lock_taken = threading.Event()
+
+    def down(method: str, target: str, _: int) -> str:
+        if lock_taken.is_set():
+            return action
+        if method == "PUT" and "/lock/" in target:
+            lock_taken.set()
+        return "forward"
+
+    fault_proxy.set_plan(down)
+    syncs_before = ck.stats.mirror_syncs
+    assert _wait_for(lambda: lock_taken.is_set() and ck.stats.mirror_last_error is not None, 20, train)
+    train(8)
+    lag_down = ck.stats.mirror_lag_steps
+    assert lag_down >= 6, ck.stats.to_dict()
+    assert ck.stats.mirror_lag_seconds > 0.05
+    assert ck.stats.mirror_last_error is not None and url in ck.stats.mirror_last_error
+    train(6)
+    assert ck.stats.mirror_lag_steps > lag_down  # grows while down
+    assert fault_proxy.faults() >= 2  # retried (with backoff) while down
+    syncs_down = ck.stats.mirror_syncs
+    assert syncs_down <= syncs_before + 1  # at most the sync that ended just before the outage
+
+    fault_proxy.forward_all()  # back
+    assert _wait_for(lambda: ck.stats.mirror_syncs > syncs_down, 30, train), ck.stats.to_dict()
+    assert ck.close() == step
+    assert ck.stats.mirror_lag_steps == 0 and ck.stats.mirror_lag_seconds == 0.0, ck.stats.to_dict()
+    # Not held up by the outage: loose bounds (a step takes milliseconds; a retry cycle of the
+    # mirror takes a second or more).
+    assert sorted(step_times)[len(step_times) // 2] < 0.5 and max(step_times) < 5.0, step_times
+    failed = [r for r in caplog.records if "mirroring failed" in r.message]
+    back = [r for r in caplog.records if "mirroring works again" in r.message]
+    assert len(failed) == 1 and len(back) == 1, [r.message for r in caplog.records]
+
+    assert_same_chain(ChainReader(local), ChainReader(url))
+    assert ldformat.validate(url).ok
+    truth = snapshot(model, opt)
+
+    shutil.rmtree(local)  # the machine is gone: resume from the mirror
+    model_b, opt_b = training(seed=7)
+    fresh = tmp_path / "fresh"
+    assert ldformat.resume(fresh, model_b, opt_b, mirror=url, mirror_options=S3_FAST_RETRY) == step
+    assert_state_bits_equal(snapshot(model_b, opt_b), truth, "resumed from the s3 mirror")
+    assert ChainReader(fresh).latest_step == step

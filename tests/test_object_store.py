@@ -177,6 +177,66 @@ def test_large_reads_are_concurrent_ranged_gets(fault_proxy: FaultProxy) -> None
     assert store.read("anchors/1-0123abcd.safetensors") == data
 
 
+# -- faults during a multipart upload ------------------------------------------------------------
+def _incomplete_uploads(moto: MotoServer, url: str) -> list[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=moto.url, region_name="us-east-1", aws_access_key_id="testing",
+                          aws_secret_access_key="testing")
+    bucket, prefix = url.removeprefix("s3://").split("/", 1)
+    return [u["Key"] for u in client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/").get("Uploads", [])]
+
+
+@pytest.mark.parametrize("action", ["503", "reset"])
+def test_faults_in_upload_part_of_a_multipart_write(fault_proxy: FaultProxy, s3_env: MotoServer,
+                                                    action: str) -> None:
+    """UploadPart requests of a multipart ``write_parts`` (16 MiB + 1 in 5 MiB parts) answered
+    with 503 or a reset: retried transparently while it is transient; persistent, a clean error
+    naming the object. Either way no partial object is ever visible, and the upload is aborted."""
+    url = _fresh_url("mp")
+    store = ObjectStore(url, part_size=5 * MiB, storage_options={**FAST_RETRY, "max_retries": 2,
+                                                                  "retry_timeout": 2})
+    data = np.frombuffer(payload(31, 16 * MiB + 1), np.uint8)
+    assert data.nbytes > store.multipart_threshold
+    parts: list[Part] = [data[:3 * MiB], data[3 * MiB:]]  # parts of the object across upload parts
+    key = "anchors/4-0123abcd.safetensors"
+
+    # Transient: the first two UploadParts fail.
+    upload_parts = [0]
+
+    def twice(method: str, target: str, _: int) -> str:
+        if method == "PUT" and "partNumber=" in target:
+            upload_parts[0] += 1
+            return action if upload_parts[0] <= 2 else "forward"
+        return "forward"
+
+    fault_proxy.set_plan(twice)
+    store.write_parts(key, parts)
+    assert fault_proxy.faults() == 2, fault_proxy.seen
+    assert [r.method for r in fault_proxy.seen if r.method != "PUT"] == ["POST", "POST"]  # create, complete
+    assert store.read(key) == data.tobytes()
+    assert _incomplete_uploads(s3_env, url) == []
+
+    # Persistent: every UploadPart fails.
+    other = "anchors/8-0123abcd.safetensors"
+    fault_proxy.affect(action, methods=("PUT",), target="partNumber=")
+    started = time.monotonic()
+    with pytest.raises(ObjectStoreError) as caught:
+        store.write_parts(other, parts)
+    assert time.monotonic() - started < 10
+    e = caught.value
+    assert e.filename == store.url_of(other) and other in str(e), e
+    assert e.errno == (errno.EAGAIN if action == "503" else errno.ECONNRESET), e
+    assert "tries" in str(e) and "\n" not in str(e), e
+    assert fault_proxy.faults() >= 3  # retried before giving up
+    fault_proxy.forward_all()
+    assert not store.exists(other)
+    assert store.list("anchors") == [key]  # no partial object
+    assert _incomplete_uploads(s3_env, url) == []  # the upload was aborted
+    store.write_parts(other, parts)  # the store is back: the same write succeeds
+    assert store.read(other) == data.tobytes()
+
+
 # -- retries ------------------------------------------------------------------------------------
 def _proxied(**options: Any) -> ObjectStore:
     return ObjectStore(_fresh_url(), storage_options={**FAST_RETRY, **options})
@@ -514,21 +574,37 @@ def _ldtools(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
                           env={**os.environ, **(env or {})})
 
 
-def test_ldtools_on_an_s3_url(built: dict[str, Built], tmp_path: Path) -> None:
-    url = _fresh_url("cli")
-    chain = _build(url, "grad.dense")
-    info = _ldtools("info", url + "/", "--json")
+def _ldtools_in_process(*args: str) -> subprocess.CompletedProcess[str]:
+    result = CliRunner().invoke(cli, list(args))
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ldtools_on_an_s3_url(s3_env: MotoServer, tmp_path: Path, kind: str) -> None:
+    """info, validate, materialize (every step, bit-exact), compact, log and truncate on an
+    s3:// chain of each kind. For grad.dense the first four run as separate processes,
+    configured by the environment alone; for the others in this process (a process costs
+    seconds of imports)."""
+    run = _ldtools if kind == "grad.dense" else _ldtools_in_process
+    url = _fresh_url(f"cli-{kind}")
+    chain = _build(url, kind)
+    info = run("info", url + "/", "--json")
     assert info.returncode == 0, info.stderr
     data = json.loads(info.stdout)
     assert data["path"] == url and data["latest_step"] == STEPS and data["anchors"] == [0, 6]
-    valid = _ldtools("validate", url)
+    assert data["kind"] == kind, data
+    valid = run("validate", url)
     assert valid.returncode == 0 and valid.stdout.startswith("ok:"), valid.stderr
     out = tmp_path / "step7.pt"
-    made = _ldtools("materialize", url, "--step", "7", "-o", str(out))
+    made = run("materialize", url, "--step", "7", "-o", str(out))
     assert made.returncode == 0, made.stderr
-    state = torch.load(out, weights_only=True)
-    assert_state_bits_equal(state, chain.truth[7], "ldtools materialize")
-    compacted = _ldtools("compact", url, "--max-replay", "2", "--json")
+    assert_state_bits_equal(torch.load(out, weights_only=True), chain.truth[7], "ldtools materialize")
+    for step in range(STEPS + 1):  # every step, in this process
+        out = tmp_path / f"step{step}.pt"
+        made = _ldtools_in_process("materialize", url, "--step", str(step), "-o", str(out))
+        assert made.returncode == 0, made.stderr
+        assert_state_bits_equal(torch.load(out, weights_only=True), chain.truth[step], f"materialize {step}")
+    compacted = run("compact", url, "--max-replay", "2", "--json")
     assert compacted.returncode == 0, compacted.stderr
     assert json.loads(compacted.stdout)["new_anchors"]
     reader = ChainReader(url)
@@ -541,6 +617,34 @@ def test_ldtools_on_an_s3_url(built: dict[str, Built], tmp_path: Path) -> None:
     cut = CliRunner().invoke(cli, ["truncate", url, "--after", "7", "--yes"])
     assert cut.exit_code == 0, cut.output
     assert ChainReader(url).latest_step == 7
+    assert_state_bits_equal(ChainReader(url).materialize(7), chain.truth[7], "after truncation")
+
+
+def test_ldtools_on_a_locked_s3_chain_exits_with_the_locked_code(s3_url: str) -> None:
+    """A writer holds the lock of an s3:// chain; ``ldtools compact`` (another process) and
+    ``ldtools truncate`` exit 4 (locked) with one line naming the holder, and change nothing."""
+    from ldtools.cli import EXIT_LOCKED
+
+    model, opt = _training("grad.dense")
+    writer = ChainWriter.create(s3_url, model, opt, kind="grad.dense", batch_steps=2)
+    try:
+        for step in range(1, 5):
+            train_step(model, opt, step)
+            writer.record_step(step)
+        store = ObjectStore(s3_url)
+        before = {p: store.read(p) for p in store.list("")}
+        for command, run in ((("compact", s3_url, "--max-replay", "1"), _ldtools),
+                             (("truncate", s3_url, "--after", "2", "--yes"), _ldtools_in_process)):
+            result = run(*command)
+            assert result.returncode == EXIT_LOCKED == 4, (command, result.stdout, result.stderr)
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and s3_url in lines[0] and "locked by a running writer" in lines[0], lines
+            assert f"pid {os.getpid()}" in lines[0], lines[0]
+            assert {p: store.read(p) for p in store.list("")} == before, command
+    finally:
+        writer.close()
+    assert _ldtools_in_process("truncate", s3_url, "--after", "2", "--yes").returncode == 0  # free now
+    assert ChainReader(s3_url).latest_step == 2
 
 
 def test_ldtools_reports_a_failing_store_in_one_line(built: dict[str, Built], fault_proxy: FaultProxy) -> None:

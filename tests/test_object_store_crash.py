@@ -4,10 +4,12 @@ S3 is a ``moto_server`` on 127.0.0.1 (``s3server.py``); every test here is skipp
 the ``s3`` extra or moto is missing.
 
 - A writer process SIGKILLed at a random point (after a random recorded step, or in the
-  middle of a multipart upload of an 18 MiB anchor object) leaves a chain that validates;
+  middle of a multipart upload of an 18 MiB anchor object: at least one kill of the default
+  run lands inside one) leaves a chain that validates;
   every step it reported durable materializes bit for bit; a new writer takes over its lock
   (same host, dead pid: stale), removes the uncommitted objects, appends, and the chain
   validates again. An incomplete multipart upload is no object: the chain never lists it.
+  Only kills before the writer finished count toward the trials.
 - Two or three processes opening one chain with a stale lock at once: exactly one proceeds,
   the others get ``ChainLockedError``, and no durable step is lost.
 - ``examples/s3_checkpoint.py`` runs against the moto server.
@@ -175,11 +177,14 @@ def refs_for(kind: str, big: bool) -> dict[int, dict[str, Any]]:
 
 # -- one crash trial ----------------------------------------------------------------------------
 def run_writer(pool: WarmPool, tmp_path: Path, url: str, kind: str, big: bool, rng: random.Random,
-               before_commit: bool = False) -> tuple[int, Events, str]:
-    """Run one writer and SIGKILL it; returns (dead pid, what it reported, where it was killed).
+               before_commit: bool = False, at_once: bool = False) -> tuple[int, Events, str]:
+    """Run one writer and SIGKILL it; returns (dead pid, what it reported, where it was killed:
+    ``mid-upload``, ``between``, ``before-commit``, or ``done``: it had recorded every step).
 
     With ``before_commit`` the writer stalls before creating each commit record, and is
     killed in the stall of a random one: its batch's objects are written, unreferenced.
+    A ``big`` writer is killed at a random moment after a large upload started, or with
+    ``at_once`` as soon as it is seen to start (inside it: an upload takes far longer).
     """
     conf = BIG if big else SMALL
     events_path = tmp_path / "events.txt"
@@ -205,9 +210,11 @@ def run_writer(pool: WarmPool, tmp_path: Path, url: str, kind: str, big: bool, r
         target = rng.randint(2, 1 + conf["steps"] // conf["anchor_every"])
         while len((ev := Events(events_path)).uploads) < target and not ev.done:
             progress(ev)
-        time.sleep(rng.uniform(0.0, 0.15))
+        if not at_once:
+            time.sleep(rng.uniform(0.0, 0.15))
     else:
-        target = rng.randint(1, conf["steps"])
+        # Below the last step: a writer killed after it recorded every step crashed in nothing.
+        target = rng.randint(1, conf["steps"] - 1)
         while (ev := Events(events_path)).recorded < target and not ev.done:
             progress(ev)
         time.sleep(rng.uniform(0.0, 0.01))
@@ -312,21 +319,37 @@ def check_and_take_over(moto: MotoServer, url: str, kind: str, big: bool, dead_p
     return {"latest": latest, "leftovers": found, "incomplete_uploads": pending}
 
 
+#: Trials run again, at most, in place of kills that came after the writer had finished.
+MAX_REPLACED = 6
+
+
 def crash_trials(pool: WarmPool, moto: MotoServer, tmp_path: Path, small: int, big: int) -> dict[str, int]:
+    """``small + big`` trials in which the kill came before the writer finished (a kill after it
+    did is checked too, but is not counted, and the trial is run again with another seed)."""
     from s3server import BUCKET
 
     outcomes: dict[str, int] = {}
     # Two of every eight small trials (one of each kind) are killed in a stall just before a
-    # commit record.
-    plan = [("state.xor" if i % 2 else "grad.dense", False, i % 8 >= 6) for i in range(small)]
-    plan += [("grad.dense", True, False)] * big
-    for trial, (kind, is_big, before_commit) in enumerate(plan):
+    # commit record. The first big trial is killed as soon as a large upload starts: at least
+    # one kill lands inside a multipart upload.
+    plan = [("state.xor" if i % 2 else "grad.dense", False, i % 8 >= 6, False) for i in range(small)]
+    plan += [("grad.dense", True, False, i == 0) for i in range(big)]
+    trial = replaced = 0
+    while plan:
+        kind, is_big, before_commit, at_once = plan.pop(0)
         rng = random.Random(f"ldformat-s3-crash-{trial}")
+        trial += 1
         url = f"s3://{BUCKET}/crash-{trial}-{os.urandom(4).hex()}"
         trial_dir = tmp_path / f"t{trial}"
         trial_dir.mkdir()
-        pid, ev, where = run_writer(pool, trial_dir, url, kind, is_big, rng, before_commit)
+        pid, ev, where = run_writer(pool, trial_dir, url, kind, is_big, rng, before_commit, at_once)
         facts = check_and_take_over(moto, url, kind, is_big, pid, ev.durable)
+        if where == "done":
+            outcomes["after done (not counted)"] = outcomes.get("after done (not counted)", 0) + 1
+            replaced += 1
+            assert replaced <= max(MAX_REPLACED, (small + big) // 5), f"too many kills after the end: {outcomes}"
+            plan.append((kind, is_big, before_commit, at_once))
+            continue
         assert facts["latest"] >= max(ev.durable)
         if before_commit:
             assert facts["leftovers"], "the objects of the uncommitted batch are missing"
@@ -340,15 +363,20 @@ def crash_trials(pool: WarmPool, moto: MotoServer, tmp_path: Path, small: int, b
 
 
 def test_sigkill_of_a_writer_at_random_points(pool: WarmPool, s3_env: MotoServer, tmp_path: Path) -> None:
-    """20 writers on s3:// SIGKILLed at random points, 4 of them around multipart uploads."""
+    """20 writers on s3:// SIGKILLed at random points before they finished, 4 of them around
+    multipart uploads, at least one inside one."""
     outcomes = crash_trials(pool, s3_env, tmp_path, SMALL_TRIALS, BIG_TRIALS)
-    assert sum(v for k, v in outcomes.items() if k.startswith(("grad", "state"))) == SMALL_TRIALS + BIG_TRIALS
+    counted = {k: v for k, v in outcomes.items() if k.startswith(("grad", "state"))}
+    assert sum(counted.values()) == SMALL_TRIALS + BIG_TRIALS, outcomes
+    assert not any(k.endswith(" done") for k in counted), outcomes
+    assert outcomes.get("grad.dense big mid-upload", 0) >= 1, outcomes
     assert outcomes.get("with leftovers", 0) >= SMALL_TRIALS // 4, outcomes
 
 
 @pytest.mark.slow
 def test_sigkill_of_a_writer_soak(pool: WarmPool, s3_env: MotoServer, tmp_path: Path) -> None:
     outcomes = crash_trials(pool, s3_env, tmp_path, 48, 12)
+    assert sum(v for k, v in outcomes.items() if k.startswith(("grad", "state"))) == 60, outcomes
     assert outcomes.get("grad.dense big mid-upload", 0) > 0, outcomes
 
 

@@ -14,6 +14,11 @@
   holding other data, a live writer on the replica (``ChainLockedError``, exit code 4).
 - A takeover of a dead replicator's lock is fenced by the first copied record; with nothing
   to copy it deletes nothing and leaves the lock held.
+- ``ldtools sync`` to and from ``s3://`` (a ``moto_server`` on 127.0.0.1, ``s3server.py``)
+  cut off mid-way by a store that fails every request from some point on (503, reset
+  connections), and ``kill -9`` of an ``ldtools sync`` to ``s3://``: a clean error exit
+  (or a dead process), a replica that is valid or an unfinished creation, and a rerun in
+  the same process that completes it, bit-exact.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
@@ -38,8 +44,13 @@ import ldformat
 from ldformat import ChainLockedError, ChainReader, ChainWriter, NotAChainError, ReplicaDivergedError, UsageError
 from ldformat.errors import WriterIOError
 from ldformat.log import ROOT_FILE, current_lock, log_path, log_sequence_numbers, read_log
-from ldformat.stores import WRITES, FaultyStore, LocalStore, MemoryStore, Store
+from ldformat.stores import WRITES, FaultyStore, LocalStore, MemoryStore, Store, open_store
 from ldtools.cli import cli
+
+if TYPE_CHECKING:  # s3server is loaded as a plugin (below), not imported before it
+    from s3server import FaultProxy, MotoServer
+
+pytest_plugins = ["s3server"]  # the fixtures moto, s3_env, s3_url and fault_proxy
 
 KINDS = ["grad.topk", "grad.dense", "state.xor"]
 
@@ -303,6 +314,26 @@ def test_killed_replicator_is_resumed(sources: dict[str, Live], tmp_path: Path) 
     assert ldformat.validate(dst_path).ok
 
 
+def test_a_lock_whose_release_failed_is_continued_by_the_next_sync(sources: dict[str, Live]) -> None:
+    """The replica's store fails from some point on, the release of its lock included: the lock
+    stays held by this process, which lives on (a mirror thread, a notebook). The next sync
+    here continues with it rather than finding the replica locked by a running writer."""
+    live = sources["grad.dense"]
+    src, dst = LocalStore(live.path), FaultyStore(MemoryStore())
+    dst.fail((*WRITES, "create_exclusive"), errno.EIO, after=6)  # the lock, some objects, then nothing
+    with pytest.raises(WriterIOError):
+        ldformat.sync(live.path, dst, workers=1)
+    held = current_lock(dst.inner)
+    assert held is not None and held.pid == os.getpid()  # the release failed
+    dst.clear()
+    report = ldformat.sync(live.path, dst, workers=1)
+    assert report.up_to_date and report.objects_skipped > 0
+    assert current_lock(dst.inner) is None
+    assert_replica(dst.inner, src, live.truth)
+    again = ldformat.sync(live.path, dst, workers=1)  # and a lock released normally is not taken for ours
+    assert again.records_copied == 0 and current_lock(dst.inner) is None
+
+
 # -- the source changes ------------------------------------------------------------------------
 def test_source_compacted_and_truncated_between_syncs(tmp_path: Path) -> None:
     live = Live(tmp_path / "src", "grad.dense")
@@ -494,3 +525,126 @@ def test_dst_cannot_be_src(sources: dict[str, Live]) -> None:
     path = sources["grad.dense"].path
     with pytest.raises(UsageError, match="is the source"):
         ldformat.sync(path, str(path) + "/")
+
+
+# -- to and from s3:// ---------------------------------------------------------------------------
+#: Retries fast enough for tests, for the command line (the defaults allow 30 s).
+FAST_RETRY_ENV = {"LDFORMAT_MAX_RETRIES": "1", "LDFORMAT_RETRY_TIMEOUT": "1", "LDFORMAT_RETRY_INIT_BACKOFF": "0.01",
+                  "LDFORMAT_RETRY_MAX_BACKOFF": "0.05"}
+
+
+def _s3_url(tag: str) -> str:
+    from s3server import BUCKET
+
+    return f"s3://{BUCKET}/{tag}-{secrets.token_hex(6)}"
+
+
+@pytest.mark.parametrize(("direction", "action", "fraction"), [("to-s3", "503", 0.2), ("to-s3", "reset", 0.6),
+                                                                ("from-s3", "503", 0.3), ("from-s3", "reset", 0.7)])
+def test_ldtools_sync_with_s3_cut_off_midway_resumes(sources: dict[str, Live], fault_proxy: FaultProxy,
+                                                     monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                     direction: str, action: str, fraction: float) -> None:
+    """The store fails every request (writes to s3://, reads from it) after ``fraction`` of
+    those a whole sync sends: ``ldtools sync`` exits 1 with one line naming the store; once
+    the store answers again a rerun (in the same process: the lock the failed run could not
+    release is its own) completes the replica, bit-exact, reusing what the first run copied."""
+    for name, value in FAST_RETRY_ENV.items():
+        monkeypatch.setenv(name, value)
+    live = sources["grad.topk"]
+    url = _s3_url(f"sync-{direction}")
+    if direction == "to-s3":
+        src_arg, dst_arg, methods = str(live.path), url, ("PUT",)
+        probe = _s3_url("sync-probe")
+    else:
+        assert ldformat.sync(live.path, url).up_to_date
+        src_arg, dst_arg, methods = url, str(tmp_path / "replica"), ("GET",)
+        probe = str(tmp_path / "probe")
+    src, dst = open_store(src_arg), open_store(dst_arg)
+    records, objects, _ = referenced(src)
+    fault_proxy.forward_all()
+    assert ldformat.sync(src_arg, probe).up_to_date  # how many requests a whole sync sends
+    total = sum(r.method in methods for r in fault_proxy.seen)
+
+    fault_proxy.fail_after(max(1, int(total * fraction)), action, methods=methods)  # down mid-way
+    first = CliRunner().invoke(cli, ["sync", src_arg, dst_arg])
+    assert fault_proxy.faults() > 0
+    assert first.exit_code == 1, first.output
+    lines = first.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ldtools: error: ") and url in lines[0], first.stderr
+    assert ("503" in lines[0]) if action == "503" else ("connection" in lines[0]), lines[0]
+    fault_proxy.forward_all()  # the store is back
+    status = assert_valid_or_unfinished(dst, src)
+    done_before = len(log_sequence_numbers(dst))
+    assert done_before < records  # cut off before the end
+
+    second = CliRunner().invoke(cli, ["sync", src_arg, dst_arg, "--json"])
+    assert second.exit_code == 0, second.output
+    report = json.loads(second.stdout)
+    assert report["up_to_date"] and report["dst_latest_step"] == 10
+    # Resumed, not started again: the records (or objects) the first run copied are reused.
+    assert report["records_copied"] == records - done_before
+    if status == "valid" or direction == "to-s3":
+        assert report["objects_copied"] < objects
+    assert_replica(dst, src, live.truth)
+    assert current_lock(dst) is None
+
+
+KILL_CLI_SLOW_S = 0.1  # each PUT to s3:// waits this long in the proxy: the copy takes seconds
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="a dead replicator is recognized through /proc")
+def test_killed_ldtools_sync_to_s3_is_resumed(sources: dict[str, Live], s3_env: MotoServer,
+                                              fault_proxy: FaultProxy) -> None:
+    """``kill -9`` of ``ldtools sync`` to s3:// after some objects, then after some records;
+    each time the replica is valid or an unfinished creation; a rerun takes the dead
+    process's lock over and completes it, bit-exact."""
+    from s3server import BUCKET
+
+    live = sources["state.xor"]
+    src = LocalStore(live.path)
+    url = _s3_url("sync-kill")
+    dst = open_store(url)
+    prefix = url.removeprefix(f"s3://{BUCKET}/") + "/"
+    records, objects, _ = referenced(src)
+    fault_proxy.slow_s = KILL_CLI_SLOW_S
+    fault_proxy.affect("slow", methods=("PUT",))
+
+    def copied() -> tuple[int, int]:
+        keys = [k.removeprefix(prefix) for k in s3_env.object_keys(BUCKET, prefix)]
+        return (sum(k.startswith(("anchors/", "deltas/")) for k in keys), sum(k.startswith("log/") for k in keys))
+
+    kills: list[tuple[int, int]] = []
+    # Killed once it copied two objects, then (the next run) once it copied a record of its own.
+    for enough in (lambda n, r: n >= 2, lambda n, r: r > kills[0][1]):
+        proc = subprocess.Popen([sys.executable, "-m", "ldtools", "sync", str(live.path), url],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                if enough(*copied()):
+                    proc.send_signal(signal.SIGKILL)
+                    break
+                time.sleep(0.02)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+        assert proc.returncode == -signal.SIGKILL, f"not killed mid-copy (exit {proc.returncode}): {err.decode()}"
+        time.sleep(KILL_CLI_SLOW_S * 3)  # requests the proxy still held have landed
+        kills.append(copied())
+        assert_valid_or_unfinished(dst, src)
+        held = current_lock(dst)
+        assert held is not None and held.pid == proc.pid  # the dead process's lock
+    assert kills[0][1] < records and kills[1][1] < records, kills  # both were mid-copy
+    assert kills[1][1] > kills[0][1]
+
+    fault_proxy.forward_all()
+    result = CliRunner().invoke(cli, ["sync", str(live.path), url, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["up_to_date"] and report["records_copied"] < records
+    assert report["objects_copied"] < objects
+    assert_replica(dst, src, live.truth)
+    assert current_lock(dst) is None
+
