@@ -725,3 +725,21 @@ def test_ranged_reads_when_connections_are_limited(fault_proxy: FaultProxy) -> N
                                                   size)}
     _report(rows)  # measured, not asserted (about 2.75x faster than one GET here)
     assert store.read_buffer("big/object").tobytes() == bytes(data)
+
+
+@pytest.mark.parametrize(("url", "config", "prefix"), [
+    ("gs://bkt/runs/chain", {"bucket": "bkt"}, "runs/chain"),
+    ("az://cont/runs/chain", {"container_name": "cont"}, "runs/chain"),
+    ("abfss://cont@acct.dfs.core.windows.net/runs/chain", {"container_name": "cont", "account_name": "acct"},
+     "runs/chain"),
+])
+def test_gcs_and_azure_urls_name_the_bucket_and_prefix(url: str, config: dict[str, str], prefix: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """GCS and Azure are opened by obstore from the same URL forms (no server here): the
+    documented ``az://container/prefix`` takes the account from the environment."""
+    pytest.importorskip("obstore")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "acct")
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "a2V5")
+    store = ObjectStore(url)
+    assert {k: store._store.config[k] for k in config} == config
+    assert store._store.prefix == prefix

@@ -8,8 +8,9 @@ store to inject I/O errors, torn writes and stalls.
 :func:`open_store` turns a chain location into a store. A location is a local directory
 (a path, or ``file:///abs/path``), ``memory://<name>`` (a process-wide
 :meth:`MemoryStore.named` store), or an object store URL: ``s3://bucket/prefix`` (also
-``s3a://``), ``gs://bucket/prefix``, ``az://account/container/prefix`` (also ``azure://``,
-``abfs://``, ``abfss://``, ``adl://``) or ``http(s)://host/prefix``. Any other
+``s3a://``), ``gs://bucket/prefix``, ``az://container/prefix`` (the storage account from
+``AZURE_STORAGE_ACCOUNT_NAME`` or ``storage_options``; also ``azure://``, ``adl://``, and
+``abfs(s)://container@account.dfs.core.windows.net/prefix``) or ``http(s)://host/prefix``. Any other
 ``scheme://`` is refused rather than taken for a directory name.
 """
 

@@ -168,8 +168,10 @@ class ObjectStore(Store):
     """A chain below a URL prefix of an object store; the :class:`Store` contract over obstore.
 
     Args:
-        url: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://account/container/prefix``
-            (also ``abfs://``, ``abfss://``, ``azure://``, ``adl://``, ``s3a://``) or
+        url: ``s3://bucket/prefix``, ``gs://bucket/prefix``, ``az://container/prefix`` (the
+            account from ``AZURE_STORAGE_ACCOUNT_NAME`` or ``storage_options``; also
+            ``abfs(s)://container@account.dfs.core.windows.net/prefix``, ``azure://``,
+            ``adl://``, ``s3a://``) or
             ``http(s)://host/prefix`` (a WebDAV-like server; it must honour ``If-None-Match``).
         storage_options: obstore settings that override the environment: store settings
             (``endpoint``, ``region``, ``access_key_id``, ``skip_signature``, ...; see obstore's
