@@ -15,6 +15,7 @@ rename, no shared clock, and pids only to tell a dead local writer from a live o
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import os
 import re
@@ -34,7 +35,7 @@ from .errors import (
     NotAChainError,
     WriterIOError,
 )
-from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, parse_json
+from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, parse_json
 from .manifest import AnchorEntry, ChainState, DeltaEntry, Record, RootMetadata
 from .stores import ObjectTooLargeError, Store
 
@@ -171,10 +172,11 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
             "from a copy, or delete the chain and start a new one"
         )
     records: dict[int, Record] = {}
+    sizes: dict[int, int] = {}
     # Find the newest snapshot by reading from the end; records before it are superseded.
     start_index = 0
     for i in range(len(seqs) - 1, -1, -1):
-        rec = read_record(store, seqs[i], where)
+        rec, sizes[seqs[i]] = _read_record_sized(store, seqs[i], where)
         records[seqs[i]] = rec
         if rec.type == "snapshot":
             start_index = i
@@ -193,19 +195,24 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
             raise CorruptChainError(f"{where}/{log_path(seq)}: record says seq {rec.seq}")
         if seq != used[0] and rec.prev != prev:
             raise CorruptChainError(f"{where}/{log_path(seq)}: prev checksum does not match record {seq - 1}")
-        state.apply(rec)
+        state.apply(rec, sizes[seq])
         prev = rec.checksum
         out.append(rec)
     return out, state
 
 
 def read_record(store: Store, seq: int, where: str) -> Record:
+    return _read_record_sized(store, seq, where)[0]
+
+
+def _read_record_sized(store: Store, seq: int, where: str) -> tuple[Record, int]:
+    """Record ``seq`` and its size in bytes."""
     path = log_path(seq)
     try:
         data = read_bounded(store, path, MAX_RECORD_BYTES, f"{where}/{path}")
     except FileNotFoundError:
         raise MissingLogRecord(f"{where}/{path}: commit record vanished while reading") from None
-    return Record.from_bytes(data, f"{where}/{path}")
+    return Record.from_bytes(data, f"{where}/{path}"), len(data)
 
 
 # -- the writer lock ------------------------------------------------------------------------
@@ -519,7 +526,8 @@ def commit_record(
         anchors=tuple(sorted(anchors, key=lambda a: a.step)) if type == "snapshot" else tuple(anchors),
         deltas=tuple(deltas),
     )
-    data = record.to_bytes()
+    doc = record.to_dict()
+    data = canonical(doc) + b"\n"
     path = log_path(record.seq)
     if len(data) > MAX_RECORD_BYTES:
         raise ChainError(
@@ -528,9 +536,30 @@ def commit_record(
         )
     create_or_lose(store, path, data, where, "another writer committed this record",
                     "cannot create the commit record; the chain is unchanged")
-    record = Record.from_bytes(data, f"{where}/{path}")  # carries the checksum
-    state.apply(record)
+    # The bytes are this call's own canonical serialization: the record as built, with the
+    # checksum computed over them; it is not parsed back (a snapshot can be large).
+    record = dataclasses.replace(record, checksum=str(doc["checksum"]))
+    state.apply(record, len(data))
     return record
+
+
+def delete_superseded(store: Store, where: str, lock: WriterLock, seqs: range) -> None:
+    """Delete the records ``seqs``, which a snapshot committed by the holder of ``lock``
+    supersedes (garbage, spec §7.5); a record already gone is skipped.
+
+    The names are known without listing, so the lock is checked once, before the first
+    deletion: a newer holder may have written records since, but never under these numbers.
+    """
+    if not seqs:
+        return
+    lock.check()
+    for seq in seqs:
+        try:
+            store.delete(log_path(seq))
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise io_error(f"{where}/{log_path(seq)}: cannot remove a superseded record", e) from None
 
 
 def create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str, failed: str) -> None:

@@ -20,6 +20,7 @@ from .jsonvalue import (
     MAX_ROOT_BYTES,
     JSONObject,
     canonical,
+    crc32c_hex,
     parse_json,
     verify_checksum,
     with_checksum,
@@ -329,12 +330,7 @@ class Record:
         d: JSON = parse_json(data, where, max_bytes=MAX_RECORD_BYTES)
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: record is not a JSON object")
-        verify_checksum(d, where)
-        if canonical(d) + b"\n" != bytes(data):
-            raise FormatError(
-                f"{where}: the record is not in canonical form followed by one LF (spec §7.1), although its "
-                "checksum matches; records are never rewritten: restore it from a copy"
-            )
+        _verify_record_bytes(d, bytes(data), where)
         _check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
         rtype = _require(d, "type", str, where)
         if rtype not in RECORD_TYPES:
@@ -352,6 +348,33 @@ class Record:
             anchors=tuple(AnchorEntry.from_dict(a, where) for a in _require_list(d, "anchors", where)),
             deltas=tuple(DeltaEntry.from_dict(x, where) for x in _require_list(d, "deltas", where)),
             checksum=_require(d, "checksum", str, where),
+        )
+
+
+def _verify_record_bytes(d: JSONObject, data: bytes, where: str) -> None:
+    """The record's checksum and canonical form (spec §6.3, §7.1), serializing it once.
+
+    A canonical record is ``{"anchors":[...],"checksum":"<hex>",...}`` + LF, so the canonical
+    form of the record without ``checksum`` is its own bytes without that member: once the
+    bytes are known to be canonical, the checksum is computed over them, not over a second
+    serialization (spec §6.3, note). Anything else takes the general path, which reports
+    the checksum first.
+    """
+    text = canonical(d)
+    checksum, anchors = d.get("checksum"), d.get("anchors")
+    if text + b"\n" == data and isinstance(checksum, str) and isinstance(anchors, list) and text.startswith(
+            b'{"anchors":'):
+        head = len(b'{"anchors":') + len(canonical(anchors))
+        member = b',"checksum":' + canonical(checksum)
+        if text[head:head + len(member)] == member:
+            if crc32c_hex(text[:head] + text[head + len(member):]) != checksum:
+                raise CorruptChainError(f"{where}: checksum mismatch (the file was modified or damaged)")
+            return
+    verify_checksum(d, where)
+    if text + b"\n" != data:
+        raise FormatError(
+            f"{where}: the record is not in canonical form followed by one LF (spec §7.1), although its "
+            "checksum matches; records are never rewritten: restore it from a copy"
         )
 
 
@@ -422,6 +445,14 @@ class ChainState:
     last_seq: int = 0
     last_checksum: str | None = None
     first_seq: int = 1
+    #: Bytes of the record the fold starts at, when it is a snapshot (0 otherwise), and the
+    #: number and bytes of the records folded after it: what the next open reads (spec §7.3).
+    #: Only records folded with their size count (:func:`ldformat.log.read_log` and
+    #: :func:`ldformat.log.commit_record` pass it); a writer uses them to decide when to write
+    #: a snapshot (spec §7.8).
+    start_bytes: int = 0
+    tail_records: int = 0
+    tail_bytes: int = 0
 
     @property
     def steps(self) -> list[int]:
@@ -432,10 +463,16 @@ class ChainState:
         steps = self.steps
         return steps[-1] if steps else None
 
-    def apply(self, record: Record) -> None:
+    def apply(self, record: Record, size: int = 0) -> None:
+        """Fold ``record`` (spec §7.3 step 4); ``size``: its length in bytes, if known."""
         if record.type == "snapshot":
             self.anchors.clear()
             self.deltas.clear()
+            self.first_seq = record.seq  # every earlier record is superseded (spec §7.3 step 2)
+            self.start_bytes, self.tail_records, self.tail_bytes = size, 0, 0
+        else:
+            self.tail_records += 1
+            self.tail_bytes += size
         for a in record.anchors:
             self.anchors[a.step] = a
         for d in record.deltas:

@@ -20,6 +20,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, cast
@@ -59,6 +60,7 @@ from .log import (
     collect_garbage,
     commit_record,
     create_root,
+    delete_superseded,
     now,
     open_log_for_write,
     read_root,
@@ -94,6 +96,27 @@ from .stores.local import make_directory
 from .topk import TopK
 
 log = logging.getLogger("ldformat")
+
+
+@dataclass(frozen=True)
+class SnapshotPolicy:
+    """When a writer restates its chain in a snapshot record (spec §7.8).
+
+    After a commit, a snapshot is written once the records after the newest snapshot (the
+    *tail*, which every open reads and parses) hold at least ``max(min_bytes, ratio * S)``
+    bytes, ``S`` being the size of that snapshot, and at least ``min_records`` records. A
+    snapshot restates the whole chain, so ``S`` grows with it; writing the next one only after
+    ``ratio * S`` new bytes keeps the commit cost O(1) amortized (at most ``1 / ratio`` bytes
+    of snapshot per byte committed) while an open reads at most ``S * (1 + ratio)`` bytes.
+    A snapshot that would exceed ``max_bytes`` is not written (its parse would cost more
+    than the tail it saves; compact the chain instead).
+    """
+
+    ratio: float = 0.125
+    min_bytes: int = 64 << 10
+    min_records: int = 4
+    max_bytes: int = 32 << 20
+
 
 class ChainWriter:
     """Appends steps to a chain. Use :meth:`create` or :meth:`open`, not the constructor."""
@@ -152,8 +175,16 @@ class ChainWriter:
         self.max_bytes: int | None = None  # a disk budget kept by dropping history after commits
         self.retained: list[int] = []  # steps dropped to keep max_bytes
         self._over_budget_warned = False
-        self.last_commit_seconds = 0.0  # sync + record creation of the latest commit
+        self.last_commit_seconds = 0.0  # sync + record creation of the latest commit (and snapshot)
         self.commits = 0
+        #: When to write snapshot records (spec §7.8); None (the default): never. An append-only
+        #: chain's snapshot is about as large as the log it replaces, so it saves an open little.
+        self.snapshot_policy: SnapshotPolicy | None = None
+        self.snapshots = 0  # snapshot records this writer committed
+        self._snapshot_too_large_warned = False
+        # Records below this number may still exist although a snapshot supersedes them: those
+        # below the previous snapshot are deleted after each new one (spec §7.5).
+        self._superseded_from = state.first_seq
         # The capture runtime captures gradients itself and appends CapturedSteps.
         self._hook = optimizer.register_step_pre_hook(self._pre_hook) if capture_hook else None
 
@@ -637,12 +668,57 @@ class ChainWriter:
         if self._pending_root is not None:
             self._io(ROOT_FILE, create_root, self.store, self._pending_root, self.path)
             self._pending_root = None
-        self.last_commit_seconds = time.perf_counter() - started
         self.commits += 1
         self._pending_anchors, self._pending_deltas, self._written = [], [], []
         if self.max_bytes is not None and self._lock is not None and self._state.referenced_bytes() > self.max_bytes:
             self._keep_budget(self._lock, self.max_bytes)
+        if self._snapshot_due():
+            self.write_snapshot()
+        self.last_commit_seconds = time.perf_counter() - started
         return self.durable_step
+
+    def _snapshot_due(self) -> bool:
+        policy, st = self.snapshot_policy, self._state
+        if policy is None or self._lock is None or st.tail_records < policy.min_records:
+            return False
+        if st.tail_bytes < max(policy.min_bytes, policy.ratio * st.start_bytes):
+            return False
+        # The records' sizes bound the snapshot's: it restates their entries without their headers.
+        if st.start_bytes + st.tail_bytes > policy.max_bytes:
+            if not self._snapshot_too_large_warned:
+                self._snapshot_too_large_warned = True
+                log.warning("%s: a snapshot of this chain would exceed %d bytes; no more snapshots are written, "
+                            "so opening it reads the %d records since the newest one (compact the chain with "
+                            "keep_last to shorten it)", self.path, policy.max_bytes, st.tail_records)
+            return False
+        return True
+
+    def write_snapshot(self) -> None:
+        """Commit a snapshot record that restates the chain as it is (spec §7.8).
+
+        It lists every committed anchor entry and, for every batch, its entry with its
+        committed steps, exactly as compaction states a chain it keeps whole; it writes no
+        object and changes no step. It is created like any record, through the exclusive,
+        lock-checked commit path, after everything pending is committed. Then the records
+        below the *previous* snapshot are deleted (the newest superseded ones are left for
+        readers still folding from there).
+        """
+        from .compact import _rebuild_delta_entries  # compact builds on this module
+
+        self.commit()  # nothing may be pending: a snapshot states committed content only
+        lock = self._lock
+        state = self._state
+        if lock is None or state.latest_step is None or state.tail_records == 0:
+            return  # the newest record is a snapshot already
+        previous_start = state.first_seq
+        everything = {step: entry for step, (_, entry) in state.deltas.items()}
+        self._io("the snapshot record", lambda: commit_record(
+            self.store, self.path, state, lock, type="snapshot", reason="snapshot",
+            anchors=list(state.anchors.values()), deltas=_rebuild_delta_entries(state, everything)))
+        self.snapshots += 1
+        self._io("superseded records", delete_superseded, self.store, self.path, lock,
+                 range(self._superseded_from, previous_start))
+        self._superseded_from = max(self._superseded_from, previous_start)
 
     def _keep_budget(self, lock: WriterLock, max_bytes: int) -> None:
         """Live retention (spec §17): drop every step before the newest anchor, as
@@ -659,6 +735,7 @@ class ChainWriter:
             self._failed = e
             raise
         self.retained.extend(dropped)
+        self._superseded_from = max(self._superseded_from, self._state.first_seq)  # compaction removed those
         if self._state.referenced_bytes() > max_bytes and not self._over_budget_warned:
             self._over_budget_warned = True
             log.warning("%s: the chain holds %d bytes from its newest anchor on, more than max_bytes=%d; it is "
