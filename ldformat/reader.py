@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +34,7 @@ from .jsonvalue import object_checksum
 from .log import read_log, read_root
 from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from .replay import Replayer
-from .stores import LocalStore, ObjectTooLargeError, Store, parse_location
+from .stores import LocalStore, ObjectStore, ObjectTooLargeError, Store, parse_location
 from .stores import open_store as _open_location
 
 T = TypeVar("T")
@@ -167,13 +168,18 @@ class ChainReader:
         return step
 
     def _retry(self, fn: Callable[[], T]) -> T:
-        # A compaction may delete objects this reader's view still references:
-        # re-read the log once and try again.
-        try:
-            return fn()
-        except MissingObjectError:
-            self.refresh()
-            return fn()
+        # A compaction may delete objects this reader's view still references: re-read the
+        # log and try again, as long as the log moved (spec §17.4); an object missing from
+        # the newest log is missing.
+        for _attempt in range(RETRIES_WHILE_THE_LOG_MOVES):
+            seen = self.records[-1].seq if self.records else 0
+            try:
+                return fn()
+            except MissingObjectError:
+                self.refresh()
+                if (self.records[-1].seq if self.records else 0) == seen:
+                    raise
+        return fn()
 
     def materialize(
         self, step: int | None = None, *, progress: Callable[[int, int], None] | None = None
@@ -360,18 +366,52 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(out)
 
 
+#: Times a read starts again because a compaction or truncation moved the log under it.
+RETRIES_WHILE_THE_LOG_MOVES = 5
+#: Objects of one batch fetched at the same time from an object store.
+FETCH_CONCURRENCY = 8
+_fetch_pool: ThreadPoolExecutor | None = None
+_fetch_pool_lock = threading.Lock()
+
+
+def _fetcher() -> ThreadPoolExecutor:
+    global _fetch_pool
+    with _fetch_pool_lock:
+        if _fetch_pool is None:
+            _fetch_pool = ThreadPoolExecutor(max_workers=FETCH_CONCURRENCY, thread_name_prefix="ldformat-fetch")
+        return _fetch_pool
+
+
+def _remote(store: Store) -> bool:
+    """Whether each read of ``store`` costs a round trip (an object store), so that the objects
+    of a batch are better fetched concurrently than one after another as decoding asks."""
+    return isinstance(store, ObjectStore)
+
+
 class _VerifiedObjects(Mapping[str, np.ndarray]):
-    """The objects of a batch by key, each read and verified on first access."""
+    """The objects of a batch by key, each read and verified on first access; from an object
+    store, all of them are fetched concurrently from the start (spec §10.5 lets a reader
+    read more than the wanted rows need)."""
 
     def __init__(self, reader: ChainReader, entry: DeltaEntry, step: int | None) -> None:
         self._reader, self._entry, self._step = reader, entry, step
         self._refs = {o.path: o for o in entry.objects}
         self._data: dict[str, np.ndarray] = {}
+        self._fetching: dict[str, Future[np.ndarray]] = {}
+        if len(self._refs) > 1 and _remote(reader.store):
+            pool = _fetcher()
+            self._fetching = {key: pool.submit(reader.read_object, ref, step, entry.path)
+                              for key, ref in self._refs.items()}
 
     def __getitem__(self, key: str) -> np.ndarray:
         data = self._data.get(key)
         if data is None:
-            data = self._data[key] = self._reader.read_object(self._refs[key], self._step, self._entry.path)
+            fetching = self._fetching.pop(key, None)
+            if fetching is not None:
+                data = fetching.result()
+            else:
+                data = self._reader.read_object(self._refs[key], self._step, self._entry.path)
+            self._data[key] = data
         return data
 
     def __iter__(self) -> Iterator[str]:
