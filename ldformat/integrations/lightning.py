@@ -40,8 +40,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TypedDict, cast
 
 import torch
 
@@ -71,6 +72,23 @@ _KEY = "lightning"
 _LOOPS = ("fit_loop", "validate_loop", "test_loop", "predict_loop")
 
 
+class _Recorded(TypedDict):
+    """The ``extra.user.lightning`` of a step."""
+
+    checkpoint: dict[str, object]  # a Lightning checkpoint, less weights, optimizer and LR schedulers
+    rng_data: dict[str, object] | None  # the RNG from which the data iterator of the step's epoch was made
+    rng_batch: dict[str, object] | None  # the RNG at which the next batch starts
+
+
+class _Resumed(TypedDict):
+    """This callback's state in a checkpoint :meth:`LdformatCheckpoint.resume_checkpoint` wrote."""
+
+    chain: str
+    step: int
+    rng_data: dict[str, object] | None
+    rng_batch: dict[str, object] | None
+
+
 class _Schedulers:
     """The trainer's LR schedulers as the one scheduler a :class:`Checkpointer` captures.
 
@@ -83,6 +101,7 @@ class _Schedulers:
     def __init__(self, trainer: pl.Trainer) -> None:
         self._trainer = trainer
 
+    # Any: a torch-style state dict, as the Stateful protocol has it.
     def state_dict(self) -> dict[str, Any]:
         return {"lr_schedulers": [c.scheduler.state_dict() for c in self._trainer.lr_scheduler_configs]}
 
@@ -136,7 +155,7 @@ class LdformatCheckpoint(Callback):
         max_stall: float = 0.035,
         mtbf_hours: float = 24.0,
         queue_depth: int = 2,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,  # Any: as Checkpointer and ChainReader take them
         mirror: str | os.PathLike[str] | None = None,
         mirror_options: dict[str, Any] | None = None,
         extra: dict[str, object] | None = None,
@@ -156,16 +175,16 @@ class LdformatCheckpoint(Callback):
         self.checkpointer: Checkpointer | None = None
         """The Checkpointer of the running fit (None outside ``trainer.fit``)."""
         self._schedulers: _Schedulers | None = None
-        self._resumed: dict[str, Any] | None = None  # our state in the .ckpt that fit() loaded
+        self._resumed: _Resumed | None = None  # our state in the .ckpt that fit() loaded
         self._temporary: Path | None = None  # a directory resume_checkpoint() made, removed once loaded
         self._global_step = 0
-        self._pending: dict[str, Any] | None = None  # Lightning state of the step not yet ended
+        self._pending: dict[str, object] | None = None  # Lightning state of the step not yet ended
         self._pending_rng: dict[str, object] | None = None  # RNG right after that step
         self._rng_data: dict[str, object] | None = None  # RNG from which this epoch's data iterator was made
         self._batch_rng: dict[str, object] | None = None  # to set at the first batch after a resume
         self._batches_this_fit = 0
         self._checked_encoding = False
-        self._hparams: dict[str, Any] | None = None
+        self._hparams: dict[str, object] | None = None
 
     @property
     def state_key(self) -> str:
@@ -237,28 +256,30 @@ class LdformatCheckpoint(Callback):
                     remote.latest_step, report.records_copied)
         return _open_chain(self.path, self.storage_options)
 
-    def _lightning_checkpoint(self, state: dict[str, Any], step: int) -> dict[str, Any]:
+    # Any: what ChainReader.materialize returns.
+    def _lightning_checkpoint(self, state: dict[str, Any], step: int) -> dict[str, object]:
         extra = state["extra"]
-        recorded = cast(dict[str, Any], extra["user"][_KEY])
-        checkpoint: dict[str, Any] = dict(recorded["checkpoint"])
+        recorded = cast(_Recorded, extra["user"][_KEY])
+        checkpoint = dict(recorded["checkpoint"])
         if checkpoint.get("global_step") != step:
             raise UsageError(f"{self.path}: step {step} records Lightning's global_step "
                              f"{checkpoint.get('global_step')!r}; the chain was not written by one fit")
         checkpoint["state_dict"] = state["model"]
         checkpoint["optimizer_states"] = [state["optimizer"]]
         checkpoint["lr_schedulers"] = extra["scheduler"]["lr_schedulers"]
-        checkpoint.setdefault("callbacks", {})[self.state_key] = {
-            "chain": self.path, "step": step, "rng_data": recorded["rng_data"], "rng_batch": recorded["rng_batch"],
-        }
+        callbacks = cast(dict[str, object], checkpoint.setdefault("callbacks", {}))
+        callbacks[self.state_key] = _Resumed(chain=self.path, step=step, rng_data=recorded["rng_data"],
+                                             rng_batch=recorded["rng_batch"])
         return checkpoint
 
+    # Any: Lightning's signatures.
     def state_dict(self) -> dict[str, Any]:
         return {}  # only the checkpoints resume_checkpoint() writes carry this callback's state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self._resumed = state_dict
+        self._resumed = cast(_Resumed, state_dict)
         # Lightning may call this after on_fit_start (strategies that restore after setup):
         # set the RNG here too, then again at on_fit_start where that comes later.
         _set_rng(state_dict["rng_data"])
@@ -329,7 +350,7 @@ class LdformatCheckpoint(Callback):
         if self._batches_this_fit:
             self._rng_data = _rng()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object,
                              batch_idx: int) -> None:
         self._end_step(trainer, rng_batch=_rng())
         self._batches_this_fit += 1
@@ -337,7 +358,7 @@ class LdformatCheckpoint(Callback):
             _set_rng(self._batch_rng)
             self._batch_rng = None
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object,
                            batch_idx: int) -> None:
         if self.checkpointer is None or trainer.global_step == self._global_step:
             return  # no optimizer step in this batch (gradient accumulation)
@@ -373,7 +394,7 @@ class LdformatCheckpoint(Callback):
         checkpoint["callbacks"] = copy.deepcopy({
             cb.state_key: state for cb in _callbacks(trainer) if cb is not self and (state := cb.state_dict())
         })
-        recorded = {
+        recorded: _Recorded = {
             "checkpoint": checkpoint,
             "rng_data": self._rng_data,
             # Training stopped before a next batch: the state right after the step is the best guess.
@@ -411,20 +432,20 @@ class LdformatCheckpoint(Callback):
             self._temporary = None
 
 
-def _progress_state(trainer: pl.Trainer) -> dict[str, Any]:
+def _progress_state(trainer: pl.Trainer) -> dict[str, object]:
     """What ``ModelCheckpoint`` saves at ``on_train_batch_end`` besides weights, optimizer,
     schedulers and callbacks: loop progress (with resumable loaders' positions), the
     datamodule's and the precision plugin's state (copies)."""
-    state: dict[str, Any] = {
+    state: dict[str, object] = {
         "epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
-        "pytorch-lightning_version": cast(Any, pl).__version__,
+        "pytorch-lightning_version": pl.__version__,  # type: ignore[attr-defined]  # not re-exported
         "loops": {name: getattr(trainer, name).state_dict() for name in _LOOPS},
     }
     precision = trainer.precision_plugin
     if precision_state := precision.state_dict():
         state[type(precision).__qualname__] = precision_state
-    datamodule = cast(Any, trainer).datamodule
+    datamodule: pl.LightningDataModule | None = trainer.datamodule  # type: ignore[attr-defined]  # set by a connector
     if datamodule is not None and (datamodule_state := datamodule.state_dict()):
         state[type(datamodule).__qualname__] = datamodule_state
     return copy.deepcopy(state)
@@ -443,10 +464,10 @@ def _rng() -> dict[str, object]:
 
 def _set_rng(state: object) -> None:
     """Restore a state recorded by :func:`_rng`."""
-    rng = dict(cast(dict[str, Any], state))
+    rng = dict(cast(Mapping[str, object], state))
     python = rng.get("python")
     if python is not None:
-        version, internal, gauss = python
+        version, internal, gauss = cast(tuple[int, torch.Tensor, float | None], python)  # as _rng() makes it
         rng["python"] = (version, tuple(int(i) for i in internal.tolist()), gauss)
     restore_rng(cast(RngState, rng))
 
@@ -459,11 +480,11 @@ def _open_chain(path: str | os.PathLike[str], storage_options: dict[str, Any] | 
 
 
 def _callbacks(trainer: pl.Trainer) -> list[Callback]:
-    callbacks: list[Callback] = cast(Any, trainer).callbacks  # set by Lightning's callback connector
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
     return callbacks
 
 
-def _hyper_parameters(pl_module: pl.LightningModule) -> dict[str, Any] | None:
+def _hyper_parameters(pl_module: pl.LightningModule) -> dict[str, object] | None:
     """The module's ``hparams`` (what ``load_from_checkpoint`` needs), if they can be recorded."""
     hparams = dict(pl_module.hparams)
     if not hparams:
@@ -487,7 +508,7 @@ def _latest_lightning_step(reader: ChainReader) -> int | None:
     return None
 
 
-def _save_atomically(checkpoint: dict[str, Any], path: Path) -> None:
+def _save_atomically(checkpoint: dict[str, object], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

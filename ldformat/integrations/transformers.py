@@ -53,18 +53,28 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import numpy as np
 import torch
 
-from ..capture.rng import capture_rng
-from ..capture.runtime import Checkpointer
+from ..capture.extra import Stateful
+from ..capture.mirror import Location
+from ..capture.rng import RngState, capture_rng
+from ..capture.runtime import Checkpointer, Mode
+from ..capture.tuning import Interval
 from ..errors import LdformatError, NotAChainError, UsageError
-from ..jsonvalue import decode
+from ..jsonvalue import JSON, decode
 from ..reader import ChainReader
 from ..stores import Store
+from ..topk import TopK
+
+if TYPE_CHECKING:
+    from typing import Unpack
+
+    import torch.distributed as dist
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -96,6 +106,74 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 TRAINING_ARGS_NAME = "training_args.bin"
 
 
+class _CheckpointerOptions(TypedDict, total=False):
+    """The :class:`~ldformat.Checkpointer` arguments that :class:`LdformatCallback` passes on
+    (all but those in ``_OWN_ARGUMENTS``); keep in step with ``Checkpointer.__init__``."""
+
+    mode: Mode
+    anchor_every: Interval
+    batch_steps: Interval
+    topk_ratio: float
+    compressor: TopK | None
+    compress: bool
+    max_stall: float
+    mtbf_hours: float
+    max_lost_s: float
+    max_bytes: int | None
+    queue_depth: int
+    max_batch_bytes: int
+    stage_during_backward: bool | None
+    extra: dict[str, object] | None
+    store: Store | None
+    process_group: dist.ProcessGroup | None
+    storage_options: dict[str, Any] | None  # Any: as Checkpointer and ChainReader take them
+    mirror: Location | None
+    mirror_options: dict[str, Any] | None
+    mirror_timeout: float
+    commit_timeout: float
+
+
+class _SavesPretrained(Protocol):
+    """A tokenizer, processor or feature extractor: what the Trainer passes as ``processing_class``."""
+
+    def save_pretrained(self, save_directory: str, /) -> object: ...
+
+
+class _TrainerObjects(TypedDict, total=False):
+    """The keyword arguments the Trainer passes to every callback event (``CallbackHandler.call_event``,
+    which types none of them), besides the event's own (``logs``, ``metrics``)."""
+
+    model: torch.nn.Module
+    processing_class: _SavesPretrained | None
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: Stateful | None
+    train_dataloader: object
+    eval_dataloader: object
+
+
+def _trainer_objects(kwargs: Mapping[str, object]) -> _TrainerObjects:
+    return cast(_TrainerObjects, kwargs)
+
+
+class _ControlArgs(TypedDict):
+    """What ``TrainerControl.state()`` returns: its flags under ``args``."""
+
+    args: dict[str, bool]
+    attributes: dict[str, object]
+
+
+class _RecordedState(TypedDict):
+    state: dict[str, object]  # the TrainerState's fields, log history aside, as JSON values
+
+
+class _Recorded(_RecordedState, total=False):
+    """The ``extra.user.hf_trainer`` of a step (spec §19.1)."""
+
+    log: object  # the log entries added since the previous step: list[dict[str, float]], encoded in the log
+    rng: object  # RNG states to restore, when they differ from the step's own (capture_rng's shape)
+    cuda_device: int
+
+
 class _StepEnd:
     """What the checkpointer is given as the scheduler: the Trainer's LR scheduler, whose
     state it records, with a ``step()`` that only the callback calls.
@@ -106,12 +184,12 @@ class _StepEnd:
     step itself, once the Trainer is done with it.
     """
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Stateful | None) -> None:
         self.scheduler = scheduler
 
+    # Any: a torch-style state dict, as the Stateful protocol has it.
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = self.scheduler.state_dict() if self.scheduler is not None else {}
-        return state
+        return self.scheduler.state_dict() if self.scheduler is not None else {}
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None:
         if self.scheduler is not None:
@@ -156,7 +234,7 @@ class LdformatCallback(TrainerCallback):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, resume_dir: str | os.PathLike[str] | None = None,
-                 **checkpointer_kwargs: Any) -> None:
+                 **checkpointer_kwargs: Unpack[_CheckpointerOptions]) -> None:
         own = sorted(k for k in checkpointer_kwargs if k in _OWN_ARGUMENTS)
         if own:
             raise UsageError(f"LdformatCallback sets {', '.join(own)} itself; pass only the other Checkpointer "
@@ -174,15 +252,15 @@ class LdformatCallback(TrainerCallback):
         self.checkpointer_kwargs = checkpointer_kwargs
         self.checkpointer: Checkpointer | None = None
         self._store: Store | None = checkpointer_kwargs.get("store")
-        self._storage_options: dict[str, Any] | None = checkpointer_kwargs.get("storage_options")
-        self._model: Any = None
-        self._args: Any = None
-        self._processing_class: Any = None
+        self._storage_options = checkpointer_kwargs.get("storage_options")
+        self._model: torch.nn.Module | None = None
+        self._args: TrainingArguments | None = None
+        self._processing_class: _SavesPretrained | None = None
         self._resume: _Resume | None = None
         self._step_end = _StepEnd(None)
         self._open = False  # a step was taken and is not closed yet
-        self._step_rng: dict[str, Any] | None = None
-        self._control: dict[str, Any] | None = None
+        self._step_rng: RngState | None = None
+        self._control: _ControlArgs | None = None
         self._logged = 0
 
     # -- resuming ---------------------------------------------------------------------------
@@ -222,7 +300,7 @@ class LdformatCallback(TrainerCallback):
         """The folder to write ``checkpoint-<step>`` into, and the folder to remove afterwards."""
         if self.resume_dir is not None:
             return self.resume_dir, self.resume_dir
-        if self._args is not None:
+        if self._args is not None and self._args.output_dir is not None:  # None only before __post_init__
             base = Path(self._args.output_dir) / RESUME_DIR
             if int(self._args.world_size) > 1:
                 base = base / f"process-{int(self._args.process_index)}"
@@ -237,34 +315,37 @@ class LdformatCallback(TrainerCallback):
 
     # -- Trainer events ----------------------------------------------------------------------
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+                    **kwargs: object) -> None:
+        objects = _trainer_objects(kwargs)
         self._args = args
-        self._model = kwargs.get("model")
-        self._processing_class = kwargs.get("processing_class")
+        self._model = objects.get("model")
+        self._processing_class = objects.get("processing_class")
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+                       **kwargs: object) -> None:
+        objects = _trainer_objects(kwargs)
         self._args = args
-        if kwargs.get("model") is not None:
-            self._model = kwargs["model"]
+        if objects.get("model") is not None:
+            self._model = objects["model"]
         if self.checkpointer is not None:  # left open by a train() call that raised
             self.checkpointer.close()
             self.checkpointer = None
         if not state.is_world_process_zero:
             return
-        model, optimizer, scheduler = kwargs.get("model"), kwargs.get("optimizer"), kwargs.get("lr_scheduler")
+        model, optimizer, scheduler = objects.get("model"), objects.get("optimizer"), objects.get("lr_scheduler")
         if model is None or optimizer is None:
             raise UsageError("LdformatCallback: the Trainer passed no model or optimizer to on_train_begin")
         step, truncate = self._start_step(state)
         self._step_end = _StepEnd(scheduler)
         self._logged = len(state.log_history)
-        self._control = control.state()
-        kwargs_ = dict(self.checkpointer_kwargs)
-        user = dict(kwargs_.pop("extra", None) or {})
+        self._control = _control_state(control)
+        options = self.checkpointer_kwargs.copy()
+        user = dict(options.pop("extra", None) or {})
         user[EXTRA_KEY] = self._trainer_extra(state, rng=None)
+        options["extra"] = user
         self.checkpointer = Checkpointer(self.path, model, optimizer, scheduler=self._step_end,
                                          scaler=getattr(optimizer, "scaler", None), step=step, truncate=truncate,
-                                         extra=user, **kwargs_)
+                                         **options)
         self._open = False
 
     def _start_step(self, state: TrainerState) -> tuple[int | None, bool]:
@@ -285,15 +366,15 @@ class LdformatCallback(TrainerCallback):
         )
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                              **kwargs: Any) -> None:
+                              **kwargs: object) -> None:
         self._close(state)  # only when no step boundary came since the last optimizer step
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                          **kwargs: Any) -> None:
+                          **kwargs: object) -> None:
         ck = self.checkpointer
         if ck is None:
             return
-        self._step_rng = capture_rng()
+        self._step_rng = cast(RngState, capture_rng())
         # What a close() or an exit records with the step if it ends before the callback
         # closes it: the Trainer's step number is already right, the rest is as before the step.
         provisional = self._trainer_extra(state, rng=None, advance=False)
@@ -302,34 +383,34 @@ class LdformatCallback(TrainerCallback):
         self._open = True
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+                    **kwargs: object) -> None:
         self._remember_control(control)
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               **kwargs: Any) -> None:
+               **kwargs: object) -> None:
         self._remember_control(control)
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    **kwargs: Any) -> None:
+                    **kwargs: object) -> None:
         self._remember_control(control)
 
     def _remember_control(self, control: TrainerControl) -> None:
         """The ``TrainerControl`` state as the Trainer saves it at this point: logging and
         evaluation done, ``should_save`` set (a Trainer checkpoint is saved only then)."""
-        self._control = control.state()
+        self._control = _control_state(control)
         self._control["args"]["should_save"] = True
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                      **kwargs: Any) -> None:
+                      **kwargs: object) -> None:
         self._close(state)
         self._cleanup()  # the Trainer has loaded everything from a resume directory by now
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                       **kwargs: Any) -> None:
+                       **kwargs: object) -> None:
         self._close(state)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                     **kwargs: Any) -> None:
+                     **kwargs: object) -> None:
         try:
             self._close(state)
         finally:
@@ -345,22 +426,21 @@ class LdformatCallback(TrainerCallback):
         if ck is None or not self._open:
             return
         self._open = False
-        rng = capture_rng()
+        rng = cast(RngState, capture_rng())
         ck.user_extra[EXTRA_KEY] = self._trainer_extra(
             state, rng=None if self._step_rng is not None and _same_rng(rng, self._step_rng) else rng)
         self._step_end.step()
 
-    def _trainer_extra(self, state: TrainerState, rng: dict[str, Any] | None, *, advance: bool = True
-                       ) -> dict[str, Any]:
+    def _trainer_extra(self, state: TrainerState, rng: RngState | None, *, advance: bool = True) -> _Recorded:
         """The ``extra.user.hf_trainer`` of a step: the ``TrainerState`` without its log
         history, the log entries added since the previous step, and the RNG states to restore
         when they differ from the step's own."""
         fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "log_history"}
-        fields = json.loads(json.dumps(fields))  # what save_to_json writes, as plain values
-        callbacks = fields.get("stateful_callbacks")
+        plain: dict[str, object] = json.loads(json.dumps(fields))  # what save_to_json writes, as plain values
+        callbacks = plain.get("stateful_callbacks")
         if isinstance(callbacks, dict) and self._control is not None:
             callbacks["TrainerControl"] = self._control
-        entry: dict[str, Any] = {"state": fields, "log": list(state.log_history[self._logged:])}
+        entry: _Recorded = {"state": plain, "log": list(state.log_history[self._logged:])}
         if advance:
             self._logged = len(state.log_history)
         if rng is not None:
@@ -376,9 +456,9 @@ def write_trainer_checkpoint(
     output_dir: str | os.PathLike[str],
     *,
     step: int | None = None,
-    model: Any = None,
-    args: Any = None,
-    processing_class: Any = None,
+    model: torch.nn.Module | None = None,
+    args: TrainingArguments | None = None,
+    processing_class: _SavesPretrained | None = None,
     store: Store | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> str:
@@ -420,7 +500,7 @@ def _resumable_step(reader: ChainReader) -> int:
     return latest
 
 
-def _step_extra(reader: ChainReader, step: int) -> Any:
+def _step_extra(reader: ChainReader, step: int) -> JSON:
     """The encoded ``extra`` of a step, from the log (no tensor is read)."""
     anchor = reader.state.anchors.get(step)
     if anchor is not None:
@@ -428,32 +508,32 @@ def _step_extra(reader: ChainReader, step: int) -> Any:
     return reader.state.deltas[step][1].extra
 
 
-def _recorded(extra: Any, where: str) -> dict[str, Any] | None:
+def _recorded(extra: object, where: str) -> _Recorded | None:
     user = extra.get("user") if isinstance(extra, dict) else None
     entry = user.get(EXTRA_KEY) if isinstance(user, dict) else None
     if entry is None:
         return None
     if not isinstance(entry, dict) or not isinstance(entry.get("state"), dict):
         raise LdformatError(f"{where}: extra.user.{EXTRA_KEY} is not a Trainer record")
-    return entry
+    return cast(_Recorded, entry)
 
 
-def _log_history(reader: ChainReader, step: int) -> list[Any]:
+def _log_history(reader: ChainReader, step: int) -> list[dict[str, float]]:
     """The log entries recorded with the chain's steps up to ``step``, in order."""
-    history: list[Any] = []
+    history: list[dict[str, float]] = []
     for s in reader.steps:
         if s > step:
             break
         entry = _recorded(_step_extra(reader, s), f"{reader.path} (step {s})")
         if entry is not None and entry.get("log"):
-            logs = decode(entry["log"], f"{reader.path} (step {s}) extra.user.{EXTRA_KEY}.log")
+            logs = decode(cast(JSON, entry["log"]), f"{reader.path} (step {s}) extra.user.{EXTRA_KEY}.log")
             if isinstance(logs, list):
                 history.extend(logs)
     return history
 
 
-def _write_checkpoint(reader: ChainReader, step: int, base: Path, *, model: Any, args: Any,
-                      processing_class: Any) -> tuple[Path, int]:
+def _write_checkpoint(reader: ChainReader, step: int, base: Path, *, model: torch.nn.Module | None,
+                      args: TrainingArguments | None, processing_class: _SavesPretrained | None) -> tuple[Path, int]:
     where = f"{reader.path} (step {step})"
     state = reader.materialize(step)
     extra = state["extra"]
@@ -462,7 +542,9 @@ def _write_checkpoint(reader: ChainReader, step: int, base: Path, *, model: Any,
         raise UsageError(f"{where}: the step holds no Trainer state (extra.user.{EXTRA_KEY}); only chains written "
                          "by LdformatCallback resume a Trainer")
     fields = {f.name for f in dataclasses.fields(TrainerState)}
-    trainer_state = TrainerState(**{k: v for k, v in entry["state"].items() if k in fields})
+    # Any: JSON values of the types TrainerState declares, as save_to_json wrote them.
+    recorded: dict[str, Any] = {k: v for k, v in entry["state"].items() if k in fields}
+    trainer_state = TrainerState(**recorded)
     trainer_state.log_history = _log_history(reader, step)
     global_step = int(trainer_state.global_step)
 
@@ -475,7 +557,7 @@ def _write_checkpoint(reader: ChainReader, step: int, base: Path, *, model: Any,
     if "scaler" in extra:
         torch.save(extra["scaler"], directory / SCALER_NAME)
     world_size = int(args.world_size) if args is not None else 1
-    rng_name = "rng_state.pth" if world_size <= 1 else f"rng_state_{int(args.process_index)}.pth"
+    rng_name = "rng_state.pth" if args is None or world_size <= 1 else f"rng_state_{int(args.process_index)}.pth"
     rng = entry.get("rng", extra.get("rng"))
     torch.save(_trainer_rng(rng, distributed=world_size > 1, device=int(entry.get("cuda_device", 0))),
                directory / rng_name)
@@ -487,7 +569,7 @@ def _write_checkpoint(reader: ChainReader, step: int, base: Path, *, model: Any,
     return directory, global_step
 
 
-def _save_model(state_dict: dict[str, torch.Tensor], directory: Path, model: Any) -> None:
+def _save_model(state_dict: dict[str, torch.Tensor], directory: Path, model: torch.nn.Module | None) -> None:
     """As ``Trainer._save``: ``save_pretrained`` for a ``PreTrainedModel``, else the state dict."""
     from transformers import PreTrainedModel
 
@@ -508,11 +590,11 @@ def _save_model(state_dict: dict[str, torch.Tensor], directory: Path, model: Any
     save_file(tensors, str(directory / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
-def _trainer_rng(rng: Any, *, distributed: bool, device: int) -> dict[str, Any]:
+def _trainer_rng(rng: object, *, distributed: bool, device: int) -> dict[str, object]:
     """The RNG states recorded by ldformat (spec §19.2) as the Trainer's ``rng_state.pth`` holds them."""
     if not isinstance(rng, dict) or "torch" not in rng:
         raise LdformatError("the step holds no RNG states (extra.rng)")
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     # The Trainer reads "python", "numpy" and "cpu" unconditionally. The capture runtime
     # always records Python's, and NumPy's whenever NumPy is installed (the Trainer needs it).
     if "python" in rng:
@@ -533,7 +615,7 @@ def _trainer_rng(rng: Any, *, distributed: bool, device: int) -> dict[str, Any]:
     return out
 
 
-def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _same_rng(a: RngState, b: RngState) -> bool:
     """Whether two :func:`~ldformat.capture.rng.capture_rng` results are the same states."""
     if a.keys() != b.keys() or a.get("python") != b.get("python"):
         return False
@@ -547,3 +629,7 @@ def _same_rng(a: dict[str, Any], b: dict[str, Any]) -> bool:
         return na is nb
     return bool({k: v for k, v in na.items() if k != "keys"} == {k: v for k, v in nb.items() if k != "keys"}
                 and torch.equal(na["keys"], nb["keys"]))
+
+
+def _control_state(control: TrainerControl) -> _ControlArgs:
+    return cast(_ControlArgs, control.state())  # transformers types it a plain dict
