@@ -251,7 +251,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
         anchors.append(_write_anchor(reader, t, written))
         if progress:
             progress("anchors", n, len(plan.new_anchors))
-    deltas = _rebuild_delta_entries(state, keep_delta)
+    deltas = state.restated_deltas(keep_delta)
     if merges:
         deltas.append(_write_merged(reader, merges, written))
     try:
@@ -272,17 +272,6 @@ def _planned_state(state: ChainState, anchors: set[int], keep_delta: dict[int, S
     for s in keep_delta:
         new.deltas[s] = state.deltas[s]
     return new
-
-
-def _rebuild_delta_entries(state: ChainState, keep: dict[int, StepEntry]) -> list[DeltaEntry]:
-    by_path: dict[str, tuple[DeltaEntry, list[StepEntry]]] = {}
-    for s in sorted(keep):
-        entry, step_entry = state.deltas[s]
-        by_path.setdefault(entry.path, (entry, []))[1].append(step_entry)
-    return [
-        DeltaEntry(path=e.path, objects=e.objects, slots=e.slots, rows=e.rows, steps=tuple(steps))
-        for e, steps in by_path.values()
-    ]
 
 
 def _write_object(reader: ChainReader, path: str, data: bytes, written: list[str]) -> ObjectRef:
@@ -388,7 +377,7 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
         if removed:
             anchors = [a for s, a in state.anchors.items() if s <= after]
             keep = {s: e for s, (_, e) in state.deltas.items() if s <= after}
-            _commit_snapshot(reader, lock, anchors, _rebuild_delta_entries(state, keep), f"truncate after {after}")
+            _commit_snapshot(reader, lock, anchors, state.restated_deltas(keep), f"truncate after {after}")
             reader.refresh()
         collect_garbage(reader.store, reader.state, lock, reader.path)
         return removed

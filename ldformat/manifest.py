@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
@@ -44,7 +44,7 @@ ENCODINGS: tuple[Encoding, ...] = get_args(Encoding)
 _Scalar = TypeVar("_Scalar", int, str, bool)
 
 
-def _check_fields(doc: Mapping[str, JSON], known: set[str], where: str) -> None:
+def check_fields(doc: Mapping[str, JSON], known: set[str], where: str) -> None:
     for key, value in doc.items():
         if key in known:
             continue
@@ -66,7 +66,7 @@ def _wrong_type(key: str, where: str) -> CorruptChainError:
     return CorruptChainError(f"{where}: field {key!r} has the wrong type")
 
 
-def _require(doc: Mapping[str, JSON], key: str, typ: type[_Scalar], where: str) -> _Scalar:
+def require(doc: Mapping[str, JSON], key: str, typ: type[_Scalar], where: str) -> _Scalar:
     """Member ``key`` of ``doc``, an instance of ``typ`` (``True`` is not an int here)."""
     value = _field(doc, key, where)
     if not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool):
@@ -74,14 +74,14 @@ def _require(doc: Mapping[str, JSON], key: str, typ: type[_Scalar], where: str) 
     return value
 
 
-def _require_list(doc: Mapping[str, JSON], key: str, where: str) -> list[JSON]:
+def require_list(doc: Mapping[str, JSON], key: str, where: str) -> list[JSON]:
     value = _field(doc, key, where)
     if not isinstance(value, list):
         raise _wrong_type(key, where)
     return value
 
 
-def _require_object(doc: Mapping[str, JSON], key: str, where: str) -> JSONObject:
+def require_object(doc: Mapping[str, JSON], key: str, where: str) -> JSONObject:
     value = _field(doc, key, where)
     if not isinstance(value, dict):
         raise _wrong_type(key, where)
@@ -92,7 +92,7 @@ def _optional_object(doc: Mapping[str, JSON], key: str, where: str) -> JSONObjec
     """An object member that may be absent (never ``null``: a canonical record omits it)."""
     if key not in doc:
         return None
-    return _require_object(doc, key, where)
+    return require_object(doc, key, where)
 
 
 def _safe_path(path: str, where: str) -> str:
@@ -118,10 +118,10 @@ class ObjectRef:
     def from_dict(cls, d: JSON, where: str) -> ObjectRef:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: object reference is not an object")
-        _check_fields(d, {"path", "size", "crc32c"}, where)
-        path = _safe_path(_require(d, "path", str, where), where)
-        size = _require(d, "size", int, where)
-        crc = _require(d, "crc32c", str, where)
+        check_fields(d, {"path", "size", "crc32c"}, where)
+        path = _safe_path(require(d, "path", str, where), where)
+        size = require(d, "size", int, where)
+        crc = require(d, "crc32c", str, where)
         if size < 0 or not re.fullmatch(r"[0-9a-f]{8}", crc):
             raise CorruptChainError(f"{where}: malformed size or crc32c for {path}")
         return cls(path=path, size=size, crc32c=crc)
@@ -152,16 +152,16 @@ class AnchorEntry:
     def from_dict(cls, d: JSON, where: str) -> AnchorEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: anchor entry is not an object")
-        _check_fields(d, {"step", "object", "param_groups", "extra", "optimizer"}, where)
-        step = _require(d, "step", int, where)
+        check_fields(d, {"step", "object", "param_groups", "extra", "optimizer"}, where)
+        step = require(d, "step", int, where)
         ref = ObjectRef.from_dict(d.get("object"), f"{where} anchor {step}")
         if not ref.path.startswith("anchors/"):
             raise CorruptChainError(f"{where}: anchor {step} names {ref.path!r}, outside anchors/ (spec §4.2)")
         return cls(
             step=step,
             object=ref,
-            param_groups=_require_list(d, "param_groups", where),
-            extra=_require_object(d, "extra", where),
+            param_groups=require_list(d, "param_groups", where),
+            extra=require_object(d, "extra", where),
             optimizer=_optional_object(d, "optimizer", where),
         )
 
@@ -189,15 +189,15 @@ class SlotInfo:
     def from_dict(cls, d: JSON, where: str) -> SlotInfo:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: slot is not an object")
-        _check_fields(d, {"name", "dtype", "shape", "encoding"}, where)
-        enc = _require(d, "encoding", str, where)
+        check_fields(d, {"name", "dtype", "shape", "encoding"}, where)
+        enc = require(d, "encoding", str, where)
         if enc not in ENCODINGS:
             raise UnsupportedVersionError(f"{where}: unknown slot encoding {enc!r}")
-        shape = _require_list(d, "shape", where)
+        shape = require_list(d, "shape", where)
         dims = [s for s in shape if isinstance(s, int) and s >= 0]
         if len(dims) != len(shape):
             raise CorruptChainError(f"{where}: malformed shape")
-        return cls(name=_require(d, "name", str, where), dtype=_require(d, "dtype", str, where),
+        return cls(name=require(d, "name", str, where), dtype=require(d, "dtype", str, where),
                    shape=tuple(dims), encoding=enc)
 
 
@@ -232,9 +232,9 @@ class StepEntry:
     def from_dict(cls, d: JSON, where: str) -> StepEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: step entry is not an object")
-        _check_fields(d, {"step", "base", "row", "stepped", "hyper", "param_groups", "extra", "optimizer"}, where)
-        step = _require(d, "step", int, where)
-        base = _require(d, "base", int, where)
+        check_fields(d, {"step", "base", "row", "stepped", "hyper", "param_groups", "extra", "optimizer"}, where)
+        step = require(d, "step", int, where)
+        base = require(d, "base", int, where)
         if not 0 <= base < step:
             raise CorruptChainError(f"{where}: step {step} has invalid base {base}")
         hyper = d.get("hyper")
@@ -243,11 +243,11 @@ class StepEntry:
         return cls(
             step=step,
             base=base,
-            row=_require(d, "row", int, where),
-            stepped=_require(d, "stepped", bool, where),
+            row=require(d, "row", int, where),
+            stepped=require(d, "stepped", bool, where),
             hyper=hyper,
-            param_groups=_require_list(d, "param_groups", where),
-            extra=_require_object(d, "extra", where),
+            param_groups=require_list(d, "param_groups", where),
+            extra=require_object(d, "extra", where),
             optimizer=_optional_object(d, "optimizer", where),
         )
 
@@ -275,20 +275,20 @@ class DeltaEntry:
     def from_dict(cls, d: JSON, where: str) -> DeltaEntry:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: delta entry is not an object")
-        _check_fields(d, {"path", "objects", "slots", "rows", "steps"}, where)
-        path = _safe_path(_require(d, "path", str, where), where)
+        check_fields(d, {"path", "objects", "slots", "rows", "steps"}, where)
+        path = _safe_path(require(d, "path", str, where), where)
         if not path.startswith("deltas/"):
             raise CorruptChainError(f"{where}: delta entry names {path!r}, outside deltas/ (spec §4.2)")
         w = f"{where} delta {path}"
-        rows = _require(d, "rows", int, w)
-        steps = tuple(StepEntry.from_dict(s, w) for s in _require_list(d, "steps", w))
+        rows = require(d, "rows", int, w)
+        steps = tuple(StepEntry.from_dict(s, w) for s in require_list(d, "steps", w))
         for s in steps:
             if not 0 <= s.row < rows:
                 raise CorruptChainError(f"{w}: step {s.step} points at row {s.row} of {rows}")
         return cls(
             path=path,
-            objects=tuple(ObjectRef.from_dict(o, w) for o in _require_list(d, "objects", w)),
-            slots=tuple(SlotInfo.from_dict(s, w) for s in _require_list(d, "slots", w)),
+            objects=tuple(ObjectRef.from_dict(o, w) for o in require_list(d, "objects", w)),
+            slots=tuple(SlotInfo.from_dict(s, w) for s in require_list(d, "slots", w)),
             rows=rows,
             steps=steps,
         )
@@ -331,23 +331,23 @@ class Record:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: record is not a JSON object")
         _verify_record_bytes(d, bytes(data), where)
-        _check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
-        rtype = _require(d, "type", str, where)
+        check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
+        rtype = require(d, "type", str, where)
         if rtype not in RECORD_TYPES:
             raise UnsupportedVersionError(f"{where}: unknown record type {rtype!r}")
         prev = d.get("prev")
         if prev is not None and not isinstance(prev, str):
             raise CorruptChainError(f"{where}: malformed prev")
         return cls(
-            seq=_require(d, "seq", int, where),
+            seq=require(d, "seq", int, where),
             type=rtype,
             prev=prev,
-            time=_require(d, "time", str, where),
-            writer=_require(d, "writer", str, where),
-            reason=_require(d, "reason", str, where),
-            anchors=tuple(AnchorEntry.from_dict(a, where) for a in _require_list(d, "anchors", where)),
-            deltas=tuple(DeltaEntry.from_dict(x, where) for x in _require_list(d, "deltas", where)),
-            checksum=_require(d, "checksum", str, where),
+            time=require(d, "time", str, where),
+            writer=require(d, "writer", str, where),
+            reason=require(d, "reason", str, where),
+            anchors=tuple(AnchorEntry.from_dict(a, where) for a in require_list(d, "anchors", where)),
+            deltas=tuple(DeltaEntry.from_dict(x, where) for x in require_list(d, "deltas", where)),
+            checksum=require(d, "checksum", str, where),
         )
 
 
@@ -421,18 +421,18 @@ class RootMetadata:
                 f"(it reads {FORMAT_MAJOR}.x); use an ldformat release that supports it"
             )
         verify_checksum(d, where)
-        _check_fields(d, {"format", "format_version", "chain_id", "created", "kind", "schema",
+        check_fields(d, {"format", "format_version", "chain_id", "created", "kind", "schema",
                           "environment", "checksum"}, where)
-        kind = _require(d, "kind", str, where)
+        kind = require(d, "kind", str, where)
         if kind not in KINDS:
             raise UnsupportedVersionError(f"{where}: unknown delta kind {kind!r}")
         return cls(
             format_version=str(version),
-            chain_id=_require(d, "chain_id", str, where),
-            created=_require(d, "created", str, where),
+            chain_id=require(d, "chain_id", str, where),
+            created=require(d, "created", str, where),
             kind=kind,
-            schema=_require_object(d, "schema", where),
-            environment=_require_object(d, "environment", where),
+            schema=require_object(d, "schema", where),
+            environment=require_object(d, "environment", where),
         )
 
 
@@ -462,6 +462,17 @@ class ChainState:
     def latest_step(self) -> int | None:
         steps = self.steps
         return steps[-1] if steps else None
+
+    def restated_deltas(self, steps: Iterable[int]) -> list[DeltaEntry]:
+        """Delta entries that restate the committed ``steps`` (delta steps of this state), each
+        batch with exactly those of its step entries, unchanged: what a snapshot record lists
+        for the deltas it keeps (spec §7.8, §16, §17.3)."""
+        by_path: dict[str, tuple[DeltaEntry, list[StepEntry]]] = {}
+        for s in sorted(steps):
+            entry, step_entry = self.deltas[s]
+            by_path.setdefault(entry.path, (entry, []))[1].append(step_entry)
+        return [DeltaEntry(path=e.path, objects=e.objects, slots=e.slots, rows=e.rows, steps=tuple(kept))
+                for e, kept in by_path.values()]
 
     def apply(self, record: Record, size: int = 0) -> None:
         """Fold ``record`` (spec §7.3 step 4); ``size``: its length in bytes, if known."""

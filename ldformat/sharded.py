@@ -24,7 +24,7 @@ import torch
 from .errors import CorruptChainError, LockLostError, NotAChainError, StepNotFoundError
 from .jsonvalue import JSON, parse_json, verify_checksum, with_checksum
 from .log import create_root_file, io_error, now, numbered, read_bounded, read_root_file, writer_name
-from .manifest import KINDS, _check_fields, _require, _require_object
+from .manifest import KINDS, check_fields, require, require_object
 from .reader import ChainReader, chain_name, open_store
 from .shards import Layout, Shard, assemble, check_covered, check_within, overlapping, overlaps_differ, parse_shape
 from .stores import Store, parse_location
@@ -132,21 +132,21 @@ class ShardedRoot:
         d = parse_json(data, where, max_bytes=MAX_SHARDED_ROOT_BYTES)
         if not isinstance(d, dict) or d.get("format") != SHARDED_FORMAT:
             raise NotAChainError(f"{where}: not an ldformat sharded root")
-        version = _require(d, "format_version", str, where)
+        version = require(d, "format_version", str, where)
         m = re.fullmatch(r"1\.(\d+)", version)
         if m is None or int(m.group(1)) < 3:
             raise CorruptChainError(f"{where}: format_version {version!r} is not a sharded format (1.3 or later)")
         verify_checksum(d, where)
-        _check_fields(d, {"format", "format_version", "chain_id", "created", "kind", "world_size", "mesh",
+        check_fields(d, {"format", "format_version", "chain_id", "created", "kind", "world_size", "mesh",
                           "tensors", "checksum"}, where)
-        kind = _require(d, "kind", str, where)
+        kind = require(d, "kind", str, where)
         if kind not in KINDS:
             raise CorruptChainError(f"{where}: unknown delta kind {kind!r}")
-        world = _require(d, "world_size", int, where)
+        world = require(d, "world_size", int, where)
         if not 1 <= world <= MAX_WORLD_SIZE:
             raise CorruptChainError(f"{where}: world_size {world} is out of range")
-        mesh = _require_object(d, "mesh", where)
-        _check_fields(mesh, {"shape", "dim_names"}, f"{where} mesh")
+        mesh = require_object(d, "mesh", where)
+        check_fields(mesh, {"shape", "dim_names"}, f"{where} mesh")
         shape = parse_shape(mesh.get("shape"), f"{where} mesh")
         if not shape or any(n < 1 for n in shape) or _product(shape) != world:
             raise CorruptChainError(f"{where}: mesh shape {list(shape)} does not multiply to world_size {world}")
@@ -155,11 +155,11 @@ class ShardedRoot:
                                   or not all(isinstance(n, str) for n in names)):
             raise CorruptChainError(f"{where}: mesh dim_names must be null or one string per mesh dimension")
         tensors = {name: _layout(v, world, f"{where} tensors[{name!r}]")
-                   for name, v in _require_object(d, "tensors", where).items()}
+                   for name, v in require_object(d, "tensors", where).items()}
         for name in tensors:
             if not name.startswith("model/"):
                 raise CorruptChainError(f"{where}: tensors[{name!r}] is not a model tensor name (model/<FQN>)")
-        return cls(chain_id=_require(d, "chain_id", str, where), created=_require(d, "created", str, where),
+        return cls(chain_id=require(d, "chain_id", str, where), created=require(d, "created", str, where),
                    kind=kind, world_size=world, mesh_shape=shape,
                    dim_names=None if names is None else tuple(str(n) for n in names), tensors=tensors,
                    format_version=version)
@@ -177,8 +177,8 @@ def _layout(v: JSON, world: int, where: str) -> Layout:
 
     if not isinstance(v, dict):
         raise CorruptChainError(f"{where}: not an object")
-    _check_fields(v, {"dtype", "shape", "shards"}, where)
-    dtype = _require(v, "dtype", str, where)
+    check_fields(v, {"dtype", "shape", "shards"}, where)
+    dtype = require(v, "dtype", str, where)
     try:
         parse_dtype(dtype)
     except Exception:
@@ -193,8 +193,8 @@ def _layout(v: JSON, world: int, where: str) -> Layout:
     for s in shards_json:
         if not isinstance(s, dict):
             raise CorruptChainError(f"{where}: a shard is not an object")
-        _check_fields(s, {"rank", "offsets", "lengths"}, where)
-        rank = _require(s, "rank", int, where)
+        check_fields(s, {"rank", "offsets", "lengths"}, where)
+        rank = require(s, "rank", int, where)
         if not 0 <= rank < world:
             raise CorruptChainError(f"{where}: shard rank {rank} is outside the world of {world}")
         shard = Shard(rank, parse_shape(s.get("offsets"), where), parse_shape(s.get("lengths"), where))
@@ -230,13 +230,13 @@ class Commit:
         if not isinstance(d, dict) or d.get("format") != COMMIT_FORMAT:
             raise CorruptChainError(f"{where}: not a sharded commit record")
         verify_checksum(d, where)
-        _check_fields(d, {"format", "seq", "step", "prev", "time", "writer", "checksum"}, where)
-        seq, step = _require(d, "seq", int, where), _require(d, "step", int, where)
+        check_fields(d, {"format", "seq", "step", "prev", "time", "writer", "checksum"}, where)
+        seq, step = require(d, "seq", int, where), require(d, "step", int, where)
         prev = d.get("prev")
         if seq < 1 or step < 0 or not (prev is None or isinstance(prev, str)):
             raise CorruptChainError(f"{where}: malformed seq, step or prev")
-        return cls(seq=seq, step=step, prev=prev, time=_require(d, "time", str, where),
-                   writer=_require(d, "writer", str, where), checksum=_require(d, "checksum", str, where))
+        return cls(seq=seq, step=step, prev=prev, time=require(d, "time", str, where),
+                   writer=require(d, "writer", str, where), checksum=require(d, "checksum", str, where))
 
 
 def read_sharded_root(store: Store, where: str) -> ShardedRoot:

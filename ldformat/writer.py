@@ -703,18 +703,15 @@ class ChainWriter:
         below the *previous* snapshot are deleted (the newest superseded ones are left for
         readers still folding from there).
         """
-        from .compact import _rebuild_delta_entries  # compact builds on this module
-
         self.commit()  # nothing may be pending: a snapshot states committed content only
         lock = self._lock
         state = self._state
         if lock is None or state.latest_step is None or state.tail_records == 0:
             return  # the newest record is a snapshot already
         previous_start = state.first_seq
-        everything = {step: entry for step, (_, entry) in state.deltas.items()}
         self._io("the snapshot record", lambda: commit_record(
             self.store, self.path, state, lock, type="snapshot", reason="snapshot",
-            anchors=list(state.anchors.values()), deltas=_rebuild_delta_entries(state, everything)))
+            anchors=list(state.anchors.values()), deltas=state.restated_deltas(state.deltas)))
         self.snapshots += 1
         self._io("superseded records", delete_superseded, self.store, self.path, lock,
                  range(self._superseded_from, previous_start))
