@@ -25,6 +25,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from .errors import (
     ChainError,
     ChainExistsError,
@@ -34,7 +36,7 @@ from .errors import (
     MissingObjectError,
     UsageError,
 )
-from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum
+from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum, object_checksum_parts
 from .log import (
     LOCK_DIR,
     LOG_DIR,
@@ -64,6 +66,9 @@ SOURCE_ATTEMPTS = 5
 
 #: Objects copied at the same time (each is held in memory while it is copied).
 WORKERS = 4
+#: Objects at least this large are copied from a local source mapped, not read into memory.
+STREAM_BYTES = 64 << 20
+STREAM_CHUNK = 8 << 20
 
 Progress = Callable[[str, int, int], None]
 
@@ -606,7 +611,9 @@ class _Sync:
         if self._holds(path, ref):
             return path, ref, "verified"
         try:
-            data = self.reader.read_object(ref, None, prefix)  # size and checksum verified (spec §7.6)
+            data = self._mapped(ref, prefix)
+            if data is None:
+                data = self.reader.read_object(ref, None, prefix)  # size and checksum verified (spec §7.6)
         except MissingObjectError as e:
             raise _SourceMoved(e) from None
         try:
@@ -615,6 +622,29 @@ class _Sync:
             raise io_error(f"{self.dst_name}/{path}: cannot write the object (no record references it yet; "
                             "sync again)", e) from None
         return path, ref, "copied"
+
+    def _mapped(self, ref: ObjectRef, prefix: str) -> np.ndarray | None:
+        """A large object of a local source, mapped rather than read into memory and verified
+        chunk by chunk, so that copying an anchor to an object store (streamed in parts) needs
+        no full-size buffer; None for any other object. Objects are never changed in place
+        (spec §7.2), so the mapping stays what was verified."""
+        path = f"{prefix}/{ref.path}" if prefix else ref.path
+        local = self.reader.store.local_path(path) if ref.size >= STREAM_BYTES else None
+        if local is None:
+            return None
+        where = f"{self.src_name}/{path}"
+        try:
+            data = np.memmap(local, dtype=np.uint8, mode="r")
+        except FileNotFoundError:
+            raise MissingObjectError(f"{where}: object is missing (deleted by a compaction?)") from None
+        except (OSError, ValueError):
+            return None  # a plain read reports what is wrong
+        if len(data) != ref.size:
+            raise CorruptChainError(f"{where}: size {len(data)} differs from the committed {ref.size}")
+        chunks = (data[i:i + STREAM_CHUNK] for i in range(0, len(data), STREAM_CHUNK))
+        if object_checksum_parts(path, chunks) != ref.crc32c:
+            raise CorruptChainError(f"{where}: crc32c mismatch (the object was modified or damaged)")
+        return data
 
     def _holds(self, path: str, ref: ObjectRef) -> bool:
         """Whether the replica already holds the object (a leftover of an interrupted call)."""
