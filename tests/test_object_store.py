@@ -264,6 +264,25 @@ def test_transient_failures_are_retried(fault_proxy: FaultProxy, action: str) ->
     assert store.list("") == ["log/000000000001.json"]
 
 
+def test_a_stalled_server_times_out_and_is_retried(fault_proxy: FaultProxy) -> None:
+    """A server that stalls past the client's timeout: a transient stall is retried and the
+    call succeeds; a persistent one ends in one clean error naming the object, in bounded time."""
+    store = _proxied(timeout="1s", max_retries=2)
+    store.write("deltas/1-1-0123abcd/c/0", b"chunk")
+    fault_proxy.slow_s = 3.0
+    fault_proxy.fail_first(1, "slow", methods=("GET",))
+    started = time.monotonic()
+    assert store.read("deltas/1-1-0123abcd/c/0") == b"chunk"
+    assert 0.9 < time.monotonic() - started < 30
+    fault_proxy.affect("slow", methods=("GET",))
+    started = time.monotonic()
+    with pytest.raises(OSError, match=r"deltas/1-1-0123abcd/c/0") as caught:
+        store.read("deltas/1-1-0123abcd/c/0")
+    assert time.monotonic() - started < 60
+    assert "Traceback" not in str(caught.value)
+    fault_proxy.forward_all()
+
+
 def test_an_exclusive_create_whose_answer_was_lost_succeeds(fault_proxy: FaultProxy) -> None:
     store = _proxied()
     # The PUT reaches S3 and creates the object; the connection drops before the answer.
