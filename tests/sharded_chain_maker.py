@@ -23,24 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from sharded_crash_worker import Net  # the same uneven model as the crash trials
 from torch import nn
-
-
-class Net(nn.Module):
-    """Rows that do not split evenly over 2 ranks (97: 49/48), a LayerNorm, an int64 buffer."""
-
-    calls: torch.Tensor
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(16, 97)
-        self.norm = nn.LayerNorm(97)
-        self.b = nn.Linear(97, 5)
-        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.b(torch.relu(self.norm(self.a(x))))
 
 
 def new_model() -> Net:

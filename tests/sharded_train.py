@@ -199,19 +199,9 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool
         set_model_state_dict(model, full["model"], options=options)
         set_optimizer_state_dict(model, optimizer, full["optimizer"], options=options)
     elif spec.get("dcp"):  # a torch.distributed.checkpoint directory written by `ldtools materialize`
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        from sharded_chain_maker import load_into
 
-        sd: dict[str, Any] = {"model": get_model_state_dict(model),
-                              "optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.load(sd, checkpoint_id=spec["dcp"])
-        set_model_state_dict(model, sd["model"])
-        set_optimizer_state_dict(model, optimizer, sd["optimizer"])
+        load_into(model, optimizer, spec["dcp"])
         step = int(spec.get("load_step", 0))
     ck = None
     if spec.get("mode") and checkpoint:

@@ -411,6 +411,10 @@ def test_changing_commands_refuse_the_chain(chain: Path, tmp_path: Path) -> None
             if target == chain:
                 assert "not compacted" in line or "not truncated" in line
                 assert "materialize a step, or resume from it and checkpoint to a new path" in line
+        with pytest.raises(ldformat.UsageError):  # the API refuses alike
+            ldformat.compact(target, keep_last=2)
+        with pytest.raises(ldformat.UsageError):
+            ldformat.truncate(target, 2)
     line = error_line(invoke("sync", chain, tmp_path / "copy", code=2))
     assert "a sharded chain is not synced" in line and not (tmp_path / "copy").exists()
     line = error_line(invoke("sync", chain / "ranks" / "00001", rank0, code=2))

@@ -10,53 +10,33 @@ seeds, so the bits of a step change over time; exactness is tested elsewhere.)
 
 from __future__ import annotations
 
-import multiprocessing
 import random
 import time
 from pathlib import Path
 
-import torch
 from click.testing import CliRunner
-from models import TinyNet, train_step
-from test_validate_concurrent import TIME_LIMIT_S, SlowStore, maintain
+from models import TinyNet
+from test_validate_concurrent import TIME_LIMIT_S, SlowStore, maintained_chain
 
 import ldformat
-from ldformat import ChainReader, ChainWriter
+from ldformat import ChainReader
 from ldtools.cli import cli
 
 READS = 40  # materialize runs overlapping the maintainer, per kind
 
 
 def _run(tmp_path: Path, kind: str) -> None:
-    path = tmp_path / "chain"
-    torch.manual_seed(0)
-    model = TinyNet()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with ChainWriter.create(path, model, optimizer, kind=kind, batch_steps=2, anchor_every=4) as writer:
-        for step in range(1, 9):
-            train_step(model, optimizer, step)
-            writer.record_step(step)
-    names = set(model.state_dict())
-
-    ctx = multiprocessing.get_context("spawn")
-    stop, cycles, errors = ctx.Event(), ctx.Value("i", 0), ctx.Queue()
-    process = ctx.Process(target=maintain, args=(str(path), stop, cycles, errors), daemon=True)
-    process.start()
-    store = SlowStore(path)
     runner = CliRunner()
     rng = random.Random(0)
     problems: list[str] = []
     reads = gone = cli_runs = 0
-    try:
-        deadline = time.monotonic() + 60
-        while cycles.value == 0 and process.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+    names = set(TinyNet().state_dict())
+    with maintained_chain(tmp_path, kind) as (path, cycles):
+        store = SlowStore(path)
         started = time.monotonic()
-        while ((reads < READS or cycles.value < 3) and time.monotonic() - started < TIME_LIMIT_S
-               and process.is_alive()):
+        while (reads < READS or cycles.value < 3) and time.monotonic() - started < TIME_LIMIT_S:
             reader = ChainReader(path, store=store)
-            steps = reader.steps
-            step = rng.choice(steps)
+            step = rng.choice(reader.steps)
             try:
                 state = reader.materialize(step)
             except ldformat.StepNotFoundError:
@@ -72,12 +52,6 @@ def _run(tmp_path: Path, kind: str) -> None:
                 cli_runs += 1
                 if result.exit_code != 0:
                     problems.append(f"ldtools {args[0]}: exit {result.exit_code}: {result.output.strip()[-300:]}")
-    finally:
-        stop.set()
-        process.join(timeout=60)
-        if process.is_alive():
-            process.kill()
-    assert errors.empty(), f"the maintainer failed:\n{errors.get()}"
     assert reads >= READS and cycles.value >= 3, f"too little overlap: {reads} reads, {cycles.value} cycles"
     assert not problems, f"{len(problems)} false reports in {reads + gone} reads and {cli_runs} CLI runs:\n" + \
         "\n".join(problems[:5])

@@ -10,9 +10,11 @@ when it had moved, a few in a hundred overlapping runs reported a missing object
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.sharedctypes import Synchronized
 from multiprocessing.synchronize import Event
 from pathlib import Path
@@ -71,7 +73,10 @@ def maintain(path: str, stop: Event, cycles: Synchronized, errors: Any) -> None:
         errors.put(traceback.format_exc())
 
 
-def _run(tmp_path: Path, kind: str) -> None:
+@contextlib.contextmanager
+def maintained_chain(tmp_path: Path, kind: str) -> Iterator[tuple[Path, Synchronized]]:
+    """A valid chain of ``kind`` and the maintainer process working on it: yields the path and
+    the maintainer's cycle count once it has started; stops it on exit and checks it never failed."""
     path = tmp_path / "chain"
     torch.manual_seed(0)
     model = TinyNet()
@@ -86,27 +91,31 @@ def _run(tmp_path: Path, kind: str) -> None:
     stop, cycles, errors = ctx.Event(), ctx.Value("i", 0), ctx.Queue()
     process = ctx.Process(target=maintain, args=(str(path), stop, cycles, errors), daemon=True)
     process.start()
-    store = SlowStore(path)
-    false_reports: list[str] = []
-    runs = 0
     try:
         deadline = time.monotonic() + 60
         while cycles.value == 0 and process.is_alive() and time.monotonic() < deadline:
             time.sleep(0.01)  # the maintainer is importing torch
-        started = time.monotonic()
-        # Until both sides did enough: on a loaded machine the maintainer's cycles come slower.
-        while ((runs < RUNS or cycles.value < 3) and time.monotonic() - started < TIME_LIMIT_S
-               and process.is_alive()):
-            report = ldformat.validate(path, store=store)
-            runs += 1
-            if not report.ok:
-                false_reports.append("; ".join(str(p) for p in report.problems))
+        yield path, cycles
     finally:
         stop.set()
         process.join(timeout=60)
         if process.is_alive():
             process.kill()
     assert errors.empty(), f"the maintainer failed:\n{errors.get()}"
+
+
+def _run(tmp_path: Path, kind: str) -> None:
+    false_reports: list[str] = []
+    runs = 0
+    with maintained_chain(tmp_path, kind) as (path, cycles):
+        store = SlowStore(path)
+        started = time.monotonic()
+        # Until both sides did enough: on a loaded machine the maintainer's cycles come slower.
+        while (runs < RUNS or cycles.value < 3) and time.monotonic() - started < TIME_LIMIT_S:
+            report = ldformat.validate(path, store=store)
+            runs += 1
+            if not report.ok:
+                false_reports.append("; ".join(str(p) for p in report.problems))
     assert runs >= RUNS and cycles.value >= 3, f"too little overlap: {runs} validate runs, {cycles.value} cycles"
     assert not false_reports, (f"{len(false_reports)} of {runs} validate runs reported a valid chain invalid:\n"
                                + "\n".join(false_reports[:5]))
