@@ -21,6 +21,7 @@ tensors are writable (replay updates them in place) and do not overlap.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -28,7 +29,8 @@ import numpy as np
 import torch
 
 from .errors import CorruptChainError, FormatError, UnsupportedStateError
-from .jsonvalue import JSON, JSONObject, canonical, parse_json
+from .jsonvalue import JSON, JSONObject, canonical, object_checksum_parts, parse_json
+from .stores.base import Store
 
 # safetensors dtype codes of the format's dtypes (spec §5.6.4).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -56,6 +58,10 @@ _ITEMSIZE = {k: torch.empty(0, dtype=v).element_size() for k, v in SAFETENSORS_D
 # safetensors refuses headers above 100 MB (MAX_HEADER_SIZE); so do we.
 MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
+
+#: Anchors from this size on are checksummed on a second thread while they are written
+#: (below it, starting a thread costs more than the overlap saves).
+_OVERLAP_MIN_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,39 @@ def anchor_parts(tensors: dict[str, torch.Tensor], step: int) -> AnchorParts:
     body += b" " * (-len(body) % 8)  # like safetensors: the data starts at a multiple of 8
     head = struct.pack("<Q", len(body)) + body
     return AnchorParts(header=head, payloads=tuple(payloads), size=len(head) + offset)
+
+
+def write_anchor_parts(store: Store, path: str, anchor: AnchorParts) -> str:
+    """Write ``anchor`` as the object ``path`` of ``store`` (not yet durable); its checksum.
+
+    Returns :func:`~ldformat.jsonvalue.object_checksum` of the object. For a large anchor the
+    checksum is computed on a second thread while the object is written: crc32c and the
+    store's writes both release the GIL, so the checksum costs no time of its own (the
+    pass over memory overlaps the wait for the disk). The object's bytes are those of
+    :func:`anchor_parts`; the thread only reads them.
+    """
+    parts = anchor.parts
+    if anchor.size < _OVERLAP_MIN_BYTES:
+        store.write_parts(path, parts)
+        return object_checksum_parts(path, parts)
+    crc: list[str] = []
+    failed: list[BaseException] = []
+
+    def checksum() -> None:
+        try:
+            crc.append(object_checksum_parts(path, parts))
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the calling thread)
+            failed.append(exc)
+
+    worker = threading.Thread(target=checksum, name="ldformat-anchor-crc32c", daemon=True)
+    worker.start()
+    try:
+        store.write_parts(path, parts)
+    finally:
+        worker.join()
+    if failed:
+        raise failed[0]
+    return crc[0]
 
 
 def _refuse_shared_memory(tensors: dict[str, torch.Tensor]) -> None:

@@ -28,7 +28,7 @@ from typing import Any, NoReturn, cast
 import numpy as np
 import torch
 
-from .anchor import anchor_parts
+from .anchor import anchor_parts, write_anchor_parts
 from .captured import (
     CapturedStep,
     CapturedTensor,
@@ -51,7 +51,7 @@ from .errors import (
     UsageError,
     WriterIOError,
 )
-from .jsonvalue import JSON, encode, object_checksum, object_checksum_parts
+from .jsonvalue import JSON, encode, object_checksum
 from .log import (
     ROOT_FILE,
     WriterLock,
@@ -619,10 +619,10 @@ class ChainWriter:
                              optimizer: JSON) -> None:
         path = anchor_object_path(step)
         anchor = anchor_parts(tensors, step)  # streamed: the object is never joined in memory
-        parts = anchor.parts
-        self._io(path, self.store.write_parts, path, parts)
+        checksums: list[str] = []  # computed while the object is written
+        self._io(path, lambda: checksums.append(write_anchor_parts(self.store, path, anchor)))
         self._written.append(path)
-        crc32c = object_checksum_parts(path, parts)  # overlaps the writeback LocalStore started
+        crc32c = checksums[0]
         self._pending_anchors.append(
             AnchorEntry(
                 step=step,
