@@ -484,12 +484,21 @@ class _ProfileArray:
                    and (len(shape_t) == 1 or all(s <= c for s, c in zip(shape_t, chunks_t, strict=True))))
         return cls(name, np.dtype(_PROFILE_DTYPES[_ARRAY_DTYPES[name]]), shape_t, chunks_t, named, profile)
 
-    def decode_chunk(self, data: bytes | np.ndarray, key: str, where: str) -> np.ndarray:
+    def decode_chunk(self, data: bytes | np.ndarray, key: str, where: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The chunk's elements (in ``out``, exactly one chunk long, when given: no allocation)."""
         buf = np.frombuffer(data, np.uint8)
         if buf.shape[0] < 4 or google_crc32c.extend(0, buf[:-4]) != int.from_bytes(buf[-4:].tobytes(), "little"):
             raise CorruptChainError(f"{where}: chunk {key} fails its crc32c codec check")
         n = _numel(self.chunks)
         _check_blosc_frame(buf[:-4], n * self.dtype.itemsize, key, where)
+        if out is not None:  # the header declared exactly the chunk's size: blosc writes nothing past it
+            if out.dtype != self.dtype or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
+                raise ValueError("out is not one writable chunk of the array's dtype")
+            try:
+                _BLOSC.decode(buf[:-4], out=out.reshape(-1).view(np.uint8))
+            except Exception as e:
+                raise CorruptChainError(f"{where}: chunk {key} does not decompress ({e})") from None
+            return out.reshape(self.chunks)
         try:
             raw = _BLOSC.decode(buf[:-4])
         except Exception as e:
@@ -499,22 +508,38 @@ class _ProfileArray:
         return np.frombuffer(raw, self.dtype).reshape(self.chunks)
 
     def read(self, objects: Mapping[str, bytes | np.ndarray], span: range | None, where: str,
-             pool: ThreadPoolExecutor | None) -> np.ndarray:
-        """Elements ``span`` of a 1-D array, or the whole array (one chunk) when ``span`` is None."""
+             pool: ThreadPoolExecutor | None, out: np.ndarray | None = None,
+             cache: dict[int, np.ndarray] | None = None) -> np.ndarray:
+        """Elements ``span`` of a 1-D array, or the whole array (one chunk) when ``span`` is None.
+
+        With ``out`` (at least ``len(span)`` elements of the array's dtype), the elements go
+        there: a chunk that lies wholly inside ``span`` is decompressed in place, with no
+        intermediate buffer. ``cache`` keeps, from one call to the next, the decoded chunk
+        that ``span`` ends in, so that reading the rows of a batch one after another
+        decompresses every chunk once.
+        """
         if span is None:
             if 0 in self.shape:
                 return np.zeros(self.shape, self.dtype)
             key = f"{self.name}/c/" + "/".join("0" for _ in self.shape)
             whole = self.decode_chunk(objects[key], key, where)
             return np.ascontiguousarray(whole[tuple(slice(0, s) for s in self.shape)])
-        out = np.empty(len(span), self.dtype)
+        out = np.empty(len(span), self.dtype) if out is None else out[: len(span)]
         (c,) = self.chunks
 
         def one(i: int) -> None:
             key = f"{self.name}/c/{i}"
-            values = self.decode_chunk(objects[key], key, where)
             lo, hi = max(span.start, i * c), min(span.stop, (i + 1) * c)
+            if lo == i * c and hi == (i + 1) * c:  # the whole chunk: straight into out
+                self.decode_chunk(objects[key], key, where, out[lo - span.start : hi - span.start])
+                return
+            values = cache.get(i) if cache is not None else None
+            if values is None:
+                values = self.decode_chunk(objects[key], key, where)
             out[lo - span.start : hi - span.start] = values[lo - i * c : hi - i * c]
+            if cache is not None and hi < (i + 1) * c:
+                cache.clear()
+                cache[i] = values  # the next span starts in this chunk
 
         indices = range(span.start // c, -(-span.stop // c))
         if pool is None or len(indices) < 2:
@@ -642,6 +667,72 @@ def decode_batch(
     content of the other rows' chunks.
     """
     wanted = range(rows) if wanted is None else wanted
+    arrays = decode_batch_checks(objects, slots, rows, where, wanted)
+    if arrays is None:
+        counts, data = _decode_with_zarr(objects, _array_metadata(objects, where), slots, rows, where, wanted)
+    else:
+        counts, data = _decode_profile(arrays, objects, slots, rows, where, wanted)
+    return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
+
+
+class RowDecoder:
+    """Decodes the rows of one batch one at a time, for a replay that uses each row once.
+
+    The checks are those of :func:`decode_batch` (metadata, listed chunks, every count and
+    array length before any values chunk is decompressed; spec §10.5), made once. :meth:`row`
+    then decodes only the chunks that row needs, in parallel, each chunk of the batch once
+    when rows are asked for in order, and decompresses them straight into buffers that are
+    reused: the segments a row returns stay valid until ``buffers - 1`` further rows have
+    been decoded (a replay takes what it keeps by copy). A group outside the 1.0 codec chain
+    is decoded whole by :func:`decode_batch`.
+    """
+
+    def __init__(self, objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int,
+                 where: str, wanted: range, *, buffers: int = 2) -> None:
+        self._objects, self._slots, self._where = objects, slots, where
+        self._whole: DecodedBatch | None = None
+        self._arrays: dict[str, _ProfileArray] = {}
+        first = decode_batch_checks(objects, slots, rows, where, wanted)  # decode_batch's checks
+        if first is None:
+            self._whole = decode_batch(objects, slots, rows, where, wanted)
+            return
+        self._arrays = first
+        self._counts = first["counts"].read(objects, None, where, None)
+        _check_counts(self._counts, rows, slots, where)
+        _check_lengths(first, self._counts, slots, where)
+        self._wanted = wanted
+        self._buffers: dict[str, list[np.ndarray]] = {}
+        self._n_buffers = max(1, buffers)
+        self._turn = 0
+        self._cache: dict[str, dict[int, np.ndarray]] = {}
+
+    def row(self, r: int, pool: ThreadPoolExecutor | None = None) -> DecodedBatch:
+        """A :class:`DecodedBatch` holding row ``r`` alone (``r`` among the rows ``wanted``)."""
+        if self._whole is not None:
+            return DecodedBatch(self._whole.slots, self._whole.counts, {r: self._whole.segments[r]})
+        if r not in self._wanted:
+            raise KeyError(f"row {r} was not decoded (decoded rows: {self._wanted.start}..{self._wanted.stop - 1})")
+        turn, self._turn = self._turn % self._n_buffers, self._turn + 1
+        data: dict[str, np.ndarray] = {}
+        for name, span in _element_ranges(self._counts, self._slots, r, r + 1).items():
+            flat = self._arrays.get(name)
+            if flat is None or not span:
+                continue
+            ring = self._buffers.setdefault(name, [])
+            while len(ring) <= turn:
+                ring.append(np.empty(0, flat.dtype))
+            if ring[turn].shape[0] < len(span):
+                ring[turn] = np.empty(len(span), flat.dtype)
+            data[name] = flat.read(self._objects, span, self._where, pool, ring[turn],
+                                   self._cache.setdefault(name, {}))
+        return DecodedBatch(slots=self._slots, counts=self._counts,
+                            segments=_segments(data, self._counts, self._slots, range(r, r + 1), self._where))
+
+
+def decode_batch_checks(objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int,
+                        where: str, wanted: range) -> dict[str, _ProfileArray] | None:
+    """The checks :func:`decode_batch` makes before decoding anything; the arrays if all are in
+    the 1.0 codec chain, else None."""
     if wanted.step != 1 or not 0 <= wanted.start <= wanted.stop <= rows:
         raise CorruptChainError(f"{where}: rows {wanted.start}..{wanted.stop - 1} are not rows of a batch of {rows}")
     _slot_widths(slots, where)
@@ -657,12 +748,7 @@ def decode_batch(
                                 f"{len(slots)}] (spec §10.5)")
     for name, array in metadata.items():
         _check_listed(name, array.grid, objects, where)
-    arrays = _profile_arrays(objects, where)
-    if arrays is None:
-        counts, data = _decode_with_zarr(objects, metadata, slots, rows, where, wanted)
-    else:
-        counts, data = _decode_profile(arrays, objects, slots, rows, where, wanted)
-    return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
+    return metadata if all(a.profile for a in metadata.values()) else None
 
 
 def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, object], where: str) -> None:
@@ -860,8 +946,19 @@ def fill_from_segment(out: torch.Tensor, seg: Segment) -> None:
 
 
 def xor_into(target: torch.Tensor, seg: Segment) -> None:
-    """``target ^= bits`` in place, on the raw bits of ``target``."""
+    """``target ^= bits`` in place, on the raw bits of ``target``.
+
+    A contiguous CPU target is XORed by numpy: one thread, without the GIL, so that it runs
+    beside the decoding of the next step instead of contending with it as torch's
+    multi-threaded kernels do.
+    """
     _, vals = seg
     signed = np.ascontiguousarray(vals).view(SIGNED_NP[vals.dtype.itemsize])
-    view = bits_view(target).reshape(-1)
-    view.bitwise_xor_(torch.from_numpy(signed))
+    view = bits_view(target)
+    if view.device.type == "cpu" and view.is_contiguous() and not view.requires_grad:
+        flat = view.reshape(-1).numpy()
+        if flat.shape != signed.shape:
+            raise ValueError(f"xor of {signed.shape[0]} elements into a tensor of {flat.shape[0]}")
+        np.bitwise_xor(flat, signed, out=flat)
+        return
+    view.reshape(-1).bitwise_xor_(torch.from_numpy(signed))

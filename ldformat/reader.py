@@ -19,7 +19,7 @@ import torch
 
 from .anchor import decode_anchor
 from .checks import check_anchor, residual_rank, tensor_metas
-from .delta import DecodedBatch, check_slots, decode_batch
+from .delta import DecodedBatch, RowDecoder, check_slots, decode_batch
 from .environment import differences
 from .errors import (
     CorruptChainError,
@@ -151,6 +151,13 @@ class ChainReader:
             for key in objects:
                 objects[key]  # verify every object, even one decoding would not need
         return decode_batch(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}", rows)
+
+    def row_decoder(self, entry: DeltaEntry, step: int | None, rows: range) -> RowDecoder:
+        """A :class:`~ldformat.delta.RowDecoder` of ``rows`` of a batch (checked as :meth:`load_batch`
+        checks it), reading and verifying each object when a row first needs it."""
+        check_slots(entry.slots, self.root.schema, self.root.kind, f"{self.path}/{entry.path}")  # spec §10.3
+        objects = _VerifiedObjects(self, entry, step)
+        return RowDecoder(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}", rows)
 
     # -- materialize -------------------------------------------------------------------
     def _check_step(self, step: int | None) -> int:
@@ -422,31 +429,39 @@ class _VerifiedObjects(Mapping[str, np.ndarray]):
 
 
 class _Prefetcher:
-    """Yields the decoded batches a replay of ``steps`` needs, loading the next one in a
-    background thread while the current one is replayed (decode overlaps optimizer steps or
-    XOR). At most two batches are in memory; only the rows the replay uses are decoded."""
+    """Yields, one step at a time, the decoded rows a replay of ``steps`` needs, decoding the
+    next step's row in a background thread while the current one is replayed (decode
+    overlaps optimizer steps or XOR). Each batch's objects are read and verified as its rows
+    need them, each chunk is decompressed once, into buffers reused from row to row
+    (:class:`~ldformat.delta.RowDecoder`): at most two decoded rows are in memory."""
 
     def __init__(self, reader: ChainReader, steps: list[int]) -> None:
-        self._plan: list[tuple[DeltaEntry, list[tuple[int, StepEntry]]]] = []
+        self._plan: list[tuple[DeltaEntry, int, StepEntry]] = []
         for s in steps:
             entry, step_entry = reader.state.deltas[s]
-            if not self._plan or self._plan[-1][0].path != entry.path:
-                self._plan.append((entry, []))
-            self._plan[-1][1].append((s, step_entry))
+            self._plan.append((entry, s, step_entry))
         self._reader = reader
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ldformat-prefetch")
+        self._decoder: RowDecoder | None = None  # of the batch being replayed
         self._next: Future[DecodedBatch] | None = self._submit(0)
 
     def _submit(self, i: int) -> Future[DecodedBatch] | None:
         if i >= len(self._plan):
             return None
-        entry, items = self._plan[i]
-        used = [e.row for _, e in items]
-        return self._pool.submit(self._load, entry, items[0][0], range(min(used), max(used) + 1))
+        return self._pool.submit(self._load, i)
 
-    def _load(self, entry: DeltaEntry, step: int, rows: range) -> DecodedBatch:
+    def _load(self, i: int) -> DecodedBatch:
+        entry, step, step_entry = self._plan[i]
         try:
-            return self._reader.load_batch(entry, step, rows)
+            if i == 0 or self._plan[i - 1][0].path != entry.path:  # the first step of a batch
+                used = [e.row for e_, _, e in self._plan[i:] if e_.path == entry.path]
+                self._decoder = None  # the previous batch's buffers go first
+                self._decoder = self._reader.row_decoder(entry, step, range(min(used), max(used) + 1))
+            assert self._decoder is not None
+            # XOR (numpy, one thread) leaves cores to decode on; an optimizer step runs torch's
+            # intra-op threads, which a second decoding thread would only slow down.
+            pool = _decode_pool() if self._reader.kind == "state.xor" else None
+            return self._decoder.row(step_entry.row, pool)
         except CorruptChainError as e:
             # Name the step being replayed where the batch's own error names only the batch.
             where = f"{self._reader.path}/{entry.path}"
@@ -456,14 +471,31 @@ class _Prefetcher:
             raise
 
     def __iter__(self) -> Iterator[tuple[DeltaEntry, DecodedBatch, list[tuple[int, StepEntry]]]]:
-        for i, (entry, items) in enumerate(self._plan):
+        for i, (entry, s, step_entry) in enumerate(self._plan):
             assert self._next is not None
             batch = self._next.result()
+            # The row after next is decoded into this row's buffers only once this one is replayed.
             self._next = self._submit(i + 1)
-            yield entry, batch, items
-            del batch  # let the batch go before the one after next is decoded
+            yield entry, batch, [(s, step_entry)]
+            del batch
 
     def close(self) -> None:
         if self._next is not None:
             self._next.cancel()
         self._pool.shutdown(wait=True)
+        self._decoder = None
+
+
+_decode_workers: ThreadPoolExecutor | None = None
+_decode_workers_lock = threading.Lock()
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    """The threads the chunks of a row decompress on (numcodecs releases the GIL): as many as
+    torch's intra-op threads when first used."""
+    global _decode_workers
+    with _decode_workers_lock:
+        if _decode_workers is None:
+            _decode_workers = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
+                                                 thread_name_prefix="ldformat-decode")
+        return _decode_workers
