@@ -5,8 +5,6 @@ Skipped where Azurite is not installed."""
 
 from __future__ import annotations
 
-import functools
-import multiprocessing
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
+from store_openers import object_store_opener
 
 import ldformat
 from ldformat import ChainLockedError, ChainReader, ChainWriter, TopK
@@ -37,8 +36,7 @@ class TestAzureObjectStore(StoreContract[ObjectStore]):
         return ObjectStore(store.url)
 
     def process_opener(self, store: ObjectStore) -> Callable[[], Store]:
-        multiprocessing.get_context("forkserver").set_forkserver_preload(["ldformat.stores"])
-        return functools.partial(ObjectStore, store.url)
+        return object_store_opener(store.url)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,10 +19,8 @@ run anyway).
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import math
-import multiprocessing
 import os
 import secrets
 import subprocess
@@ -39,6 +37,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
+from store_openers import object_store_opener
 
 import ldformat
 from ldformat import ChainExistsError, ChainLockedError, ChainReader, ChainWriter, TopK, WriterIOError
@@ -76,12 +75,6 @@ def _fresh_url(tag: str = "t") -> str:
 
 
 # -- the store contract ---------------------------------------------------------------------
-def _forkserver_preload() -> None:
-    # obstore's runtime does not survive fork(): children start from a fork server that has
-    # imported ldformat but never used obstore.
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["ldformat.stores"])
-
-
 class TestS3ObjectStore(StoreContract[ObjectStore]):
     process_start_method = "forkserver"
 
@@ -93,8 +86,7 @@ class TestS3ObjectStore(StoreContract[ObjectStore]):
         return ObjectStore(store.url)
 
     def process_opener(self, store: ObjectStore) -> Callable[[], Store]:
-        _forkserver_preload()
-        return functools.partial(ObjectStore, store.url)
+        return object_store_opener(store.url)
 
 
 class TestMemoryUrlStore(StoreContract[MemoryStore]):
@@ -130,8 +122,7 @@ class TestFaultyS3Store(StoreContract[FaultyStore]):
 
     def process_opener(self, store: FaultyStore) -> Callable[[], Store]:
         assert isinstance(store.inner, ObjectStore)
-        _forkserver_preload()
-        return functools.partial(_faulty_s3, store.inner.url)
+        return object_store_opener(store.inner.url, faulty=True)
 
 
 # -- large objects ----------------------------------------------------------------------------
