@@ -33,7 +33,7 @@ from .log import (
 )
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, SlotInfo, StepEntry
 from .reader import ChainReader
-from .sharded import refuse_sharded
+from .sharded import is_sharded_location, refuse_sharded
 from .stores import Part, Store
 
 log = logging.getLogger("ldformat.compact")
@@ -55,6 +55,8 @@ class CompactionPlan:
     #: Why incomplete uploads could not be listed or aborted (the compaction itself went on).
     uploads_problem: str | None = None
     committed: bool = False
+    #: A sharded chain's plan per rank chain (spec §20.8); the fields above sum them up.
+    ranks: list[CompactionPlan] = field(default_factory=list)
 
     @property
     def changes_references(self) -> bool:
@@ -71,6 +73,7 @@ class CompactionPlan:
             "aborted_uploads": self.aborted_uploads,
             "uploads_problem": self.uploads_problem,
             "committed": self.committed,
+            **({"ranks": [p.to_dict() for p in self.ranks]} if self.ranks else {}),
         }
 
 
@@ -132,9 +135,19 @@ def compact(
     changes nothing the second time. On S3 it also aborts the incomplete multipart uploads
     below the chain, which writers killed mid-upload leave (spec §7.7): it holds the writer
     lock, so no live writer is uploading.
+
+    A sharded chain (spec §20.8) is compacted under every rank chain's lock with one plan, so
+    that every rank chain keeps the same steps (:func:`ldformat.sharded_maintenance.compact_sharded`);
+    one rank chain of it on its own is refused.
     """
     if max_replay is not None and max_replay < 0:
         raise UsageError("max_replay must be >= 0")
+    if store is None and is_sharded_location(path, storage_options):
+        from .sharded_maintenance import compact_sharded
+
+        return compact_sharded(path, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every,
+                               dry_run=dry_run, break_lock=break_lock, lock_wait=lock_wait, progress=progress,
+                               storage_options=storage_options)
     refuse_sharded(path, store, storage_options, "compacted")
     reader = ChainReader(path, store=store, storage_options=storage_options)
     if dry_run:
@@ -191,7 +204,10 @@ def _remove_garbage(reader: ChainReader, lock: WriterLock | None) -> list[str]:
 
 
 def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | None, keep_last: int | None,
-             keep_every: int | None, progress: Callable[[str, int, int], None] | None) -> CompactionPlan:
+             keep_every: int | None, progress: Callable[[str, int, int], None] | None,
+             kept: list[int] | None = None) -> CompactionPlan:
+    """Compact as ``lock``'s holder (a dry run without it); ``kept``, when given, are the
+    steps to keep instead of those that ``keep_last``/``keep_every`` select."""
     state = reader.state
     plan = CompactionPlan()
     if state.latest_step is None:
@@ -199,7 +215,8 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
         return plan
     limit = max_replay if max_replay is not None else float("inf")
     steps = state.steps
-    kept = _kept_steps(steps, keep_last, keep_every)
+    if kept is None:
+        kept = _kept_steps(steps, keep_last, keep_every)
     plan.kept_steps = kept
     plan.dropped_steps = sorted(set(steps) - set(kept))
     depth: dict[int, int] = {}
@@ -360,26 +377,38 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
     """Remove every step after ``after`` (rewind after a loss spike). Returns the removed steps.
 
     Crash-safe: one snapshot record switches the chain to the truncated view. A writer can
-    then re-open the chain and append from ``after + 1``. A sharded chain, or one rank chain
-    of it, is refused (spec §20.8); ``part_of_sharded`` is for the writer of a sharded chain,
-    which truncates its rank chain after the commit record that makes those steps pending.
+    then re-open the chain and append from ``after + 1``. A sharded chain is truncated under
+    every rank chain's lock, after a commit record that makes the removed steps pending (spec
+    §20.8, :func:`ldformat.sharded_maintenance.truncate_sharded`); one rank chain of it on its
+    own is refused. ``part_of_sharded`` is for the writer of a sharded chain, which truncates
+    its rank chain after the commit record that makes those steps pending.
     """
     if not part_of_sharded:
+        if store is None and is_sharded_location(path, storage_options):
+            from .sharded_maintenance import truncate_sharded
+
+            return truncate_sharded(path, after, break_lock=break_lock, lock_wait=lock_wait,
+                                    storage_options=storage_options)
         refuse_sharded(path, store, storage_options, "truncated")
     reader = ChainReader(path, store=store, storage_options=storage_options)
     lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
-        state = reader.state
-        if after not in state.anchors and after not in state.deltas:
-            raise StepNotFoundError(f"{reader.path}: step {after} is not in the chain; nothing was changed")
-        removed = [s for s in state.steps if s > after]
-        if removed:
-            anchors = [a for s, a in state.anchors.items() if s <= after]
-            keep = {s: e for s, (_, e) in state.deltas.items() if s <= after}
-            _commit_snapshot(reader, lock, anchors, state.restated_deltas(keep), f"truncate after {after}")
-            reader.refresh()
-        collect_garbage(reader.store, reader.state, lock, reader.path)
-        return removed
+        return truncate_locked(reader, lock, after)
     finally:
         lock.release()
+
+
+def truncate_locked(reader: ChainReader, lock: WriterLock, after: int) -> list[int]:
+    """Truncate after ``after`` as ``lock``'s holder, ``reader`` folded under it; the removed steps."""
+    state = reader.state
+    if after not in state.anchors and after not in state.deltas:
+        raise StepNotFoundError(f"{reader.path}: step {after} is not in the chain; nothing was changed")
+    removed = [s for s in state.steps if s > after]
+    if removed:
+        anchors = [a for s, a in state.anchors.items() if s <= after]
+        keep = {s: e for s, (_, e) in state.deltas.items() if s <= after}
+        _commit_snapshot(reader, lock, anchors, state.restated_deltas(keep), f"truncate after {after}")
+        reader.refresh()
+    collect_garbage(reader.store, reader.state, lock, reader.path)
+    return removed

@@ -57,26 +57,34 @@ def refuse_sharded(path: str | os.PathLike[str], store: Store | None, storage_op
             raise UsageError(f"{path}: a sharded chain is not {what} by this version of ldformat; "
                              "materialize a step, or resume from it and checkpoint to a new path")
         return
-    loc = parse_location(path)
-    try:
-        if loc.path is not None:
-            top = loc.path
-            parent = loc.path.parent.parent if re.fullmatch(r"\d{5}", loc.path.name) and (
-                loc.path.parent.name == RANKS_DIR) else None
-            sharded_here = (top / SHARDED_ROOT).is_file()
-            sharded_above = parent is not None and (parent / SHARDED_ROOT).is_file()
-        else:
-            sharded_here = is_sharded(open_store(path, None, storage_options))
-            m = _RANK_DIR.match(str(path))
-            sharded_above = m is not None and is_sharded(open_store(m.group(1), None, storage_options))
-    except (OSError, NotAChainError):
-        return  # not readable: the operation itself reports it
+    sharded_here, sharded_above = _sharded_status(path, storage_options)
     if sharded_here:
         raise UsageError(f"{path}: a sharded chain is not {what} by this version of ldformat; "
                          "materialize a step, or resume from it and checkpoint to a new path")
     if sharded_above:
         raise UsageError(f"{path}: this is one rank's chain of a sharded chain; it is {what} only with the "
                          "others (spec §20.8), never on its own")
+
+
+def is_sharded_location(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> bool:
+    """Whether ``path`` holds a sharded chain (``sharded.json``); False when it cannot be read."""
+    return _sharded_status(path, storage_options)[0]
+
+
+def _sharded_status(path: str | os.PathLike[str], storage_options: dict[str, Any] | None) -> tuple[bool, bool]:
+    """(``path`` is a sharded chain, ``path`` is a rank chain of one); False when unreadable."""
+    loc = parse_location(path)
+    try:
+        if loc.path is not None:
+            top = loc.path
+            parent = loc.path.parent.parent if re.fullmatch(r"\d{5}", loc.path.name) and (
+                loc.path.parent.name == RANKS_DIR) else None
+            return (top / SHARDED_ROOT).is_file(), parent is not None and (parent / SHARDED_ROOT).is_file()
+        here = is_sharded(open_store(path, None, storage_options))
+        m = _RANK_DIR.match(str(path))
+        return here, m is not None and is_sharded(open_store(m.group(1), None, storage_options))
+    except (OSError, NotAChainError):
+        return False, False  # not readable: the operation itself reports it
 
 
 def rank_location(path: str | os.PathLike[str], rank: int) -> str:

@@ -1120,15 +1120,20 @@ def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_ever
 def truncate(chain: str, after: int, yes: bool) -> None:
     """Remove every step after --after (rewind after a loss spike). Crash-safe.
 
+    A sharded chain is truncated in every rank's chain, under every rank chain's lock (spec
+    section 20.8); one rank's chain of it on its own is refused (exit 2).
+
     Example: ldtools truncate runs/chain --after 1200 --yes
     """
     from ldformat.sharded import refuse_sharded
 
-    refuse_sharded(chain, None, None, "truncated")
-    reader = ChainReader(chain)
+    reader = ldformat.open_reader(chain)
+    if isinstance(reader, ChainReader):
+        refuse_sharded(chain, None, None, "truncated")
     later = [s for s in reader.steps if s > after]
     if after not in reader.steps:
-        raise ldformat.StepNotFoundError(f"{chain}: step {after} is not in the chain; nothing was changed")
+        raise ldformat.StepNotFoundError(f"{chain}: step {after} is not in the chain (as a committed step); "
+                                         "nothing was changed")
     if later and not yes and sys.stdin.isatty():
         click.confirm(f"remove {len(later)} steps ({later[0]}..{later[-1]})?", abort=True)
     with _about_step(after, "truncating after"):

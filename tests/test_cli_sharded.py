@@ -2,7 +2,8 @@
 validate summarize it; materialize writes .pt and .safetensors files bit-identical to
 ``open_reader(path).materialize(step)`` at every committed step, and ``--format dcp`` a
 directory that DCP loads on other meshes (a plain model without a process group, FSDP2 at
-world 1); compact, truncate and sync refuse it and leave it unchanged.
+world 1); compact and truncate change every rank chain alike, and refuse one rank chain on
+its own; sync refuses it.
 
 The chain is made once per module (tests/sharded_chain_maker.py, ~3 s); the DCP directory is
 loaded in a fresh process, as a job of another world size would load it.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -400,21 +402,141 @@ def test_dcp_export_of_an_ordinary_chain_with_non_tensor_state(tmp_path: Path) -
 
 
 # -- commands that change a chain ------------------------------------------------------------------
-def test_changing_commands_refuse_the_chain(chain: Path, tmp_path: Path) -> None:
+def every_state(reader: ldformat.ShardedReader) -> dict[int, dict[str, Any]]:
+    return {s: reader.materialize(s) for s in reader.steps}
+
+
+def rank_steps(chain: Path) -> list[list[int]]:
+    return [ldformat.ChainReader(chain / "ranks" / f"{r:05d}").steps for r in range(WORLD)]
+
+
+@pytest.fixture
+def chain_copy(chain: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "chain"
+    shutil.copytree(chain, copy)
+    return copy
+
+
+def test_compact_keeps_the_same_steps_in_every_rank_chain(chain_copy: Path) -> None:
+    before = every_state(ldformat.ShardedReader(chain_copy))
+    files = digest(chain_copy)
+    dry = json.loads(invoke("compact", chain_copy, "--keep-last", 2, "--keep-every", 3, "--max-replay", 1,
+                            "--dry-run", "--json").stdout)
+    assert digest(chain_copy) == files, "a dry run changed the chain"
+    plan = json.loads(invoke("compact", chain_copy, "--keep-last", 2, "--keep-every", 3, "--max-replay", 1,
+                             "--json").stdout)
+    kept = [s for s in range(STEPS + 1) if s >= STEPS - 1 or s % 3 == 0]
+    assert plan["committed"] and plan["kept_steps"] == dry["kept_steps"] == len(kept)
+    assert plan["dropped_steps"] == dry["dropped_steps"] == [s for s in range(STEPS + 1) if s not in kept]
+    assert len(plan["ranks"]) == WORLD and plan["new_anchors"] == dry["new_anchors"]
+    assert all(o.startswith("ranks/0000") for o in plan["removed_objects"])
+    reader = ldformat.ShardedReader(chain_copy)
+    assert reader.steps == kept and rank_steps(chain_copy) == [kept] * WORLD
+    for s in kept:
+        assert_same(reader.materialize(s), before[s], f"step {s} after compaction")
+    invoke("validate", chain_copy, "--deep")
+    files = digest(chain_copy)  # idempotent
+    again = json.loads(invoke("compact", chain_copy, "--keep-last", 2, "--keep-every", 3, "--max-replay", 1,
+                              "--json").stdout)
+    assert not again["committed"] and again["removed_objects"] == [] and digest(chain_copy) == files
+
+
+def test_compact_drops_pending_steps(chain_copy: Path) -> None:
+    """Steps above the newest commit record's (rank 0 died before committing them) are pending:
+    compaction drops them from every rank chain, and keeps every committed step."""
+    records = sorted((chain_copy / "commits").glob("*.json"))
+    newest = read_commits(ldformat.ShardedReader(chain_copy).store, str(chain_copy))
+    keep = next(c for c in reversed(newest) if c.step < STEPS)
+    for r in records[keep.seq:]:
+        r.unlink()
+    before = every_state(ldformat.ShardedReader(chain_copy))
+    assert sorted(before) == list(range(keep.step + 1))
+    plan = ldformat.compact(chain_copy)
+    assert plan.committed and plan.kept_steps == sorted(before)
+    assert rank_steps(chain_copy) == [sorted(before)] * WORLD
+    for s, want in before.items():
+        assert_same(ldformat.ShardedReader(chain_copy).materialize(s), want, f"step {s}")
+    assert ldformat.validate(chain_copy).ok
+
+
+def test_truncate(chain_copy: Path) -> None:
+    reader = ldformat.ShardedReader(chain_copy)
+    before = every_state(reader)
+    seq = reader.commit.seq if reader.commit else 0
+    line = error_line(invoke("truncate", chain_copy, "--after", STEPS + 5, "--yes", code=1))
+    assert f"step {STEPS + 5} is not in the chain" in line
+    out = invoke("truncate", chain_copy, "--after", 4, "--yes").stdout
+    assert "removed 3 steps" in out and "ends at step 4" in out
+    reader = ldformat.ShardedReader(chain_copy)
+    assert reader.commit is not None and (reader.commit.seq, reader.commit.step) == (seq + 1, 4)
+    assert reader.steps == [0, 1, 2, 3, 4] and rank_steps(chain_copy) == [[0, 1, 2, 3, 4]] * WORLD
+    for s in reader.steps:
+        assert_same(reader.materialize(s), before[s], f"step {s} after truncation")
+    invoke("validate", chain_copy)
+    files = digest(chain_copy)
+    assert ldformat.truncate(chain_copy, 4) == [] and digest(chain_copy) == files  # nothing to do, no record
+
+
+def test_truncate_interrupted_after_the_record(chain_copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A crash after the commit record and one rank chain's truncation leaves the other rank
+    chain's later steps pending: the chain is valid at the truncated step, and the next
+    truncation finishes the work."""
+    from ldformat import sharded_maintenance
+
+    before = every_state(ldformat.ShardedReader(chain_copy))
+    real = sharded_maintenance.truncate_locked
+    calls: list[str] = []
+
+    def crash_on_the_second(reader: ldformat.ChainReader, lock: Any, after: int) -> list[int]:
+        calls.append(reader.path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("killed")
+        return real(reader, lock, after)
+
+    monkeypatch.setattr(sharded_maintenance, "truncate_locked", crash_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        ldformat.truncate(chain_copy, 3)
+    monkeypatch.undo()
+    reader = ldformat.ShardedReader(chain_copy)
+    assert reader.steps == [0, 1, 2, 3] and rank_steps(chain_copy)[1] == list(range(STEPS + 1))
+    for s in reader.steps:
+        assert_same(reader.materialize(s), before[s], f"step {s}")
+    assert ldformat.validate(chain_copy).ok
+    assert ldformat.truncate(chain_copy, 3) == []
+    assert rank_steps(chain_copy) == [[0, 1, 2, 3]] * WORLD
+
+
+def test_a_live_writer_on_one_rank_refuses_maintenance(chain_copy: Path) -> None:
+    """A live holder of one rank chain's lock (this process): compact and truncate exit 4 with one
+    line naming that rank chain, change nothing, and leave no lock of theirs behind."""
+    from ldformat.log import WriterLock
+
+    files = digest(chain_copy)
+    rank1 = ldformat.ChainReader(chain_copy / "ranks" / "00001")
+    held = WriterLock.acquire(rank1.store, rank1.path)
+    try:
+        for args in (("compact", chain_copy, "--keep-last", 2), ("truncate", chain_copy, "--after", 2, "--yes")):
+            proc = subprocess.run([sys.executable, "-m", "ldtools", *map(str, args)], capture_output=True,
+                                  text=True, timeout=TIMEOUT_S)
+            assert proc.returncode == 4, (args, proc.stderr)
+            assert "ranks/00001" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    finally:
+        held.release()
+    assert digest(chain_copy) == files
+    assert ldformat.truncate(chain_copy, STEPS - 1) == [STEPS]  # rank 0's lock was released
+
+
+def test_one_rank_chain_on_its_own_is_refused(chain: Path, tmp_path: Path) -> None:
     before = digest(chain)
     rank0 = chain / "ranks" / "00000"
-    for target in (chain, rank0):
-        for args in (("compact", target, "--keep-last", 2), ("compact", target, "--max-replay", 1, "--dry-run"),
-                     ("truncate", target, "--after", 2, "--yes")):
-            line = error_line(invoke(*args, code=2))
-            assert str(target) in line and "sharded chain" in line, (args, line)
-            if target == chain:
-                assert "not compacted" in line or "not truncated" in line
-                assert "materialize a step, or resume from it and checkpoint to a new path" in line
-        with pytest.raises(ldformat.UsageError):  # the API refuses alike
-            ldformat.compact(target, keep_last=2)
-        with pytest.raises(ldformat.UsageError):
-            ldformat.truncate(target, 2)
+    for args in (("compact", rank0, "--keep-last", 2), ("compact", rank0, "--max-replay", 1, "--dry-run"),
+                 ("truncate", rank0, "--after", 2, "--yes")):
+        line = error_line(invoke(*args, code=2))
+        assert str(rank0) in line and "one rank's chain of a sharded chain" in line, (args, line)
+    with pytest.raises(ldformat.UsageError):  # the API refuses alike
+        ldformat.compact(rank0, keep_last=2)
+    with pytest.raises(ldformat.UsageError):
+        ldformat.truncate(rank0, 2)
     line = error_line(invoke("sync", chain, tmp_path / "copy", code=2))
     assert "a sharded chain is not synced" in line and not (tmp_path / "copy").exists()
     line = error_line(invoke("sync", chain / "ranks" / "00001", rank0, code=2))
