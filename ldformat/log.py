@@ -302,6 +302,9 @@ class WriterLock:
         #: True if the previous generation was held (a dead or broken writer), so the log
         #: must be fenced before anything is deleted.
         self.took_over = took_over
+        #: Whether this holder committed the fence record (one is enough, however many
+        #: operations it runs under the lock).
+        self.fenced = False
         self.released = False
         self._renewed = time.monotonic()
 
@@ -478,12 +481,6 @@ def _refuse_live_legacy_lock(store: Store, where: str, break_lock: bool) -> None
             )
 
 
-def held_by_live_writer(store: Store, where: str = "") -> LockOwner | None:
-    """The holder of the lock if it may still be running (spec §15.2), else None."""
-    owner = current_lock(store, where)
-    return owner if owner is not None and _live(owner) else None
-
-
 def current_lock(store: Store, where: str = "") -> LockOwner | None:
     """The holder of the lock, or None if it is free (released, or never taken)."""
     generations = numbered(store, LOCK_DIR, _LOCK_NAME)
@@ -577,14 +574,15 @@ def create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str, 
 def fence(store: Store, where: str, state: ChainState, lock: WriterLock) -> None:
     """After taking over a held lock, commit an empty record so that the old holder, should it
     still run, can never commit again (its next record number now exists). Spec §15.3."""
-    if lock.took_over:
+    if lock.took_over and not lock.fenced:
         commit_record(store, where, state, lock, type="append", reason="takeover")
+        lock.fenced = True
 
 
 def open_log_for_write(store: Store, where: str, lock: WriterLock) -> tuple[list[Record], ChainState]:
     """Fold the log as the new lock holder, fencing it if the lock was taken over."""
     records, state = read_log(store, where)
-    if lock.took_over:
+    if lock.took_over and not lock.fenced:
         fence(store, where, state, lock)
         records, state = read_log(store, where)
     return records, state

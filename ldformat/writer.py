@@ -312,12 +312,14 @@ class ChainWriter:
         lock_wait: float = 0.0,
         capture_hook: bool = True,
         storage_options: dict[str, Any] | None = None,
+        lock: WriterLock | None = None,
     ) -> ChainWriter:
         """Re-open a chain to append after its latest committed step.
 
         The live ``model`` and ``optimizer`` must hold the state of that step (load it with
         :meth:`ChainReader.load_into`). A dead writer's lock is taken over and its
-        uncommitted leftovers are removed.
+        uncommitted leftovers are removed. ``lock``: the chain's lock, already taken by the
+        caller; the writer owns it from here (released on failure and by :meth:`close`).
         """
         where = chain_name(path, store)
         store = open_store(path, store, storage_options)
@@ -338,7 +340,8 @@ class ChainWriter:
             )
         if root.kind == "grad.topk" and not isinstance(compressor, TopK):
             raise UsageError("this grad.topk chain needs compressor=ldformat.TopK(...)")
-        lock = WriterLock.acquire(store, where, break_lock=break_lock, wait_s=lock_wait)
+        if lock is None:
+            lock = WriterLock.acquire(store, where, break_lock=break_lock, wait_s=lock_wait)
         try:
             _, state = open_log_for_write(store, where, lock)  # fences the log after a takeover
             collect_garbage(store, state, lock, where)

@@ -526,6 +526,29 @@ def test_a_live_writer_on_one_rank_refuses_maintenance(chain_copy: Path) -> None
     assert ldformat.truncate(chain_copy, STEPS - 1) == [STEPS]  # rank 0's lock was released
 
 
+def test_a_job_opens_the_chain_only_holding_every_rank_lock(chain_copy: Path) -> None:
+    """Opening a sharded chain to append (spec §20.3.3): every rank takes its rank chain's lock
+    before rank 0 fences the commit records. With rank 1's lock held by a live writer (this
+    process), the job fails on every rank, creates no commit record, and rank 0's lock,
+    taken meanwhile, is released again."""
+    from ldformat.log import WriterLock, current_lock
+
+    files = digest(chain_copy)
+    rank1 = ldformat.ChainReader(chain_copy / "ranks" / "00001")
+    held = WriterLock.acquire(rank1.store, rank1.path)
+    try:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+        procs = [run_maker(["make", str(r), str(WORLD), str(chain_copy.parent), "2"], env) for r in range(WORLD)]
+        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    finally:
+        held.release()
+    for out, p in zip(outputs, procs, strict=True):
+        assert p.returncode != 0 and "ChainLockedError" in out and "ranks/00001" in out, out
+    assert digest(chain_copy) == files  # no commit record, no rank chain changed
+    rank0 = ldformat.ChainReader(chain_copy / "ranks" / "00000")
+    assert current_lock(rank0.store, rank0.path) is None
+
+
 def test_one_rank_chain_on_its_own_is_refused(chain: Path, tmp_path: Path) -> None:
     before = digest(chain)
     rank0 = chain / "ranks" / "00000"

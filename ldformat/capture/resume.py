@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptChainError, LdformatError, StepNotFoundError, UsageError
-from ..log import ROOT_FILE
+from ..log import ROOT_FILE, WriterLock, open_log_for_write
 from ..manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
 from ..reader import ChainReader
 from ..replicate import ReplicaDivergedError, sync
@@ -280,6 +280,7 @@ def open_writer(
     first_extra: Callable[[], dict[str, object]],
     storage_options: dict[str, Any] | None = None,
     rank_chain: bool = False,
+    lock: WriterLock | None = None,
 ) -> ChainWriter:
     """The writer a :class:`~ldformat.Checkpointer` appends with (capture hook off).
 
@@ -288,8 +289,23 @@ def open_writer(
     one ``mode`` writes); steps after ``step`` are truncated with ``truncate`` and refused
     without it; ``compressor`` receives the
     residuals of ``step``'s anchor, or restarts from zero (with a warning) when the step
-    holds none.
+    holds none. ``lock``: the chain's writer lock, already held (a sharded job takes every
+    rank chain's lock before it opens the chain, spec §20.3.3); it is released on failure.
     """
+    try:
+        return _open_writer(path, model, optimizer, kind=kind, mode=mode, step=step, compressor=compressor,
+                            batch_steps=batch_steps, truncate=truncate, store=store, first_extra=first_extra,
+                            storage_options=storage_options, rank_chain=rank_chain, lock=lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, kind: Kind, mode: str,
+                 step: int | None, compressor: TopK | None, batch_steps: int, truncate: bool, store: Store | None,
+                 first_extra: Callable[[], dict[str, object]], storage_options: dict[str, Any] | None,
+                 rank_chain: bool, lock: WriterLock | None) -> ChainWriter:
     path, store = _chain_store(path, store, storage_options)
     if not _holds_chain(path, store):
         return ChainWriter.create(path, model, optimizer, kind=kind, step=step or 0, extra=first_extra(),
@@ -309,10 +325,16 @@ def open_writer(
                 f"{path}: the chain has {len(later)} step(s) after step {target} (up to {latest}); pass "
                 f"truncate=True to delete them and continue from step {target}, or resume from step {latest}"
             )
-        from ..compact import truncate as truncate_chain
-
         log.warning("%s: truncating %d step(s) after %d: training resumes from there", path, len(later), target)
-        truncate_chain(path, target, store=store, part_of_sharded=rank_chain)
+        if lock is not None:
+            from ..compact import truncate_locked
+
+            reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
+            truncate_locked(reader, lock, target)
+        else:
+            from ..compact import truncate as truncate_chain
+
+            truncate_chain(path, target, store=store, part_of_sharded=rank_chain)
     if compressor is not None and target is not None:
         tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
         residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
@@ -324,4 +346,4 @@ def open_writer(
                         path, target)
             compressor.load_residuals({})
     return ChainWriter.open(path, model, optimizer, compressor=compressor, batch_steps=batch_steps, store=store,
-                            capture_hook=False)
+                            capture_hook=False, lock=lock)

@@ -246,6 +246,7 @@ class Checkpointer:
         self.process_group = process_group
         self.sharded = has_dtensors(model)
         self._committer: Committer | None = None
+        rank_lock = None
         if self.sharded:  # every rank writes its own chain of local shards (spec §20)
             if mirror is not None or max_bytes is not None or store is not None:
                 raise UsageError("with a sharded model (DTensor parameters), mirror=, max_bytes= and store= "
@@ -254,7 +255,10 @@ class Checkpointer:
             sharded = sharded_setup(self.path, model, optimizer, kind=self.kind, group=process_group,
                                     storage_options=storage_options,
                                     check=lambda: build_schema(model, optimizer, self.kind, compressor_))
+            rank_lock = sharded.lock
             if step is not None and sharded.committed is not None and step != sharded.committed:
+                if rank_lock is not None:
+                    rank_lock.release()
                 raise UsageError(f"{path}: the sharded chain's newest committed step is {sharded.committed}; "
                                  f"a sharded chain continues from it, not from step {step}")
             path, truncate = sharded.rank_path, True
@@ -294,7 +298,7 @@ class Checkpointer:
         self.writer = open_writer(str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
                                   compressor=self.compressor, batch_steps=self.batch_steps, store=store,
                                   first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
-                                  storage_options=storage_options, rank_chain=self.sharded)
+                                  storage_options=storage_options, rank_chain=self.sharded, lock=rank_lock)
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
         if self.sharded:
             if sharded.rank == 0:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import ChainLockedError, LdformatError, UnsupportedStateError, UsageError
-from ..log import held_by_live_writer, log_path, log_sequence_numbers, now, read_log, read_record
+from ..log import WriterLock, log_path, log_sequence_numbers, now, read_log, read_record
 from ..manifest import ChainState
 from ..sharded import (
     Commit,
@@ -55,6 +55,7 @@ class ShardedSetup:
     world_size: int
     rank_path: str  # this rank's chain
     committed: int | None  # the newest commit's step: the rank chain continues from it
+    lock: WriterLock | None  # this rank's chain's lock, held since the opening (None: a new rank chain)
 
 
 def _group_rank0(group: Any) -> int:
@@ -142,38 +143,46 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
         except LdformatError as e:
             error = e
     _agree(error, group, src)
-    # Opening (spec §20.3.3): no live writer on any rank chain, then rank 0 fences the commit
-    # records with a record for the newest committed step N, before any rank chain is truncated.
-    error = None
+    # Opening (spec §20.3.3): every rank holds its rank chain's lock (a takeover fences that
+    # rank chain), then rank 0 fences the commit records with a record for the newest committed
+    # step N, before any rank chain is truncated.
     location = rank_location(path, rank)
+    lock = None
     try:
-        if _exists(location, storage_options):
-            holder = held_by_live_writer(open_store(location, storage_options=storage_options), location)
-            if holder is not None:
-                raise ChainLockedError(f"{location}: rank {rank}'s chain is locked by a running writer "
-                                       f"({holder.describe()}); stop that job first")
-    except LdformatError as e:
-        error = e
-    gathered = [None] * world
-    dist.all_gather_object(gathered, error, group=group)
-    for refused in gathered:
-        if refused is not None:
-            raise refused
-    committed: int | None = None
-    error = None
-    if rank == 0:
+        error = None
         try:
-            store = _top_store(path, storage_options)
-            last = newest_commit(store, path)
-            if last is not None:
-                committed = create_commit(store, path, last.step, last).step
+            if _exists(location, storage_options):
+                lock = WriterLock.acquire(open_store(location, storage_options=storage_options), location)
+        except ChainLockedError as e:
+            error = ChainLockedError(f"{e} (rank {rank}'s chain; stop that job first)")
         except LdformatError as e:
             error = e
-    box: list[Any] = [error, committed]
-    dist.broadcast_object_list(box, src=src, group=group)
-    if box[0] is not None:
-        raise box[0]
-    return ShardedSetup(rank=rank, world_size=world, rank_path=location, committed=box[1])
+        gathered = [None] * world
+        dist.all_gather_object(gathered, error, group=group)
+        for refused in gathered:
+            if refused is not None:
+                raise refused
+        committed: int | None = None
+        error = None
+        if rank == 0:
+            try:
+                store = _top_store(path, storage_options)
+                if lock is not None:
+                    lock.check()  # rule L
+                last = newest_commit(store, path)
+                if last is not None:
+                    committed = create_commit(store, path, last.step, last).step
+            except LdformatError as e:
+                error = e
+        box: list[Any] = [error, committed]
+        dist.broadcast_object_list(box, src=src, group=group)
+        if box[0] is not None:
+            raise box[0]
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return ShardedSetup(rank=rank, world_size=world, rank_path=location, committed=box[1], lock=lock)
 
 
 def _agree(error: BaseException | None, group: Any, src: int) -> None:
