@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .anchor import anchor_parts
+from .anchor import anchor_parts, write_anchor_parts
 from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .jsonvalue import object_checksum_parts
@@ -34,7 +34,7 @@ from .log import (
 from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, SlotInfo, StepEntry
 from .reader import ChainReader
 from .sharded import is_sharded_location, refuse_sharded
-from .stores import Part, Store
+from .stores import Store
 
 log = logging.getLogger("ldformat.compact")
 
@@ -292,28 +292,29 @@ def _planned_state(state: ChainState, anchors: set[int], keep_delta: dict[int, S
 
 
 def _write_object(reader: ChainReader, path: str, data: bytes, written: list[str]) -> ObjectRef:
-    return _write_parts(reader, path, (data,), len(data), written)
-
-
-def _write_parts(reader: ChainReader, path: str, parts: Sequence[Part], size: int, written: list[str]) -> ObjectRef:
-    """Write an object streamed from ``parts`` (never joined); returns its reference."""
     try:
-        reader.store.write_parts(path, parts)
+        reader.store.write_parts(path, (data,))
     except OSError as e:
         raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
     written.append(path)
-    return ObjectRef(path=path, size=size, crc32c=object_checksum_parts(path, parts))
+    return ObjectRef(path=path, size=len(data), crc32c=object_checksum_parts(path, (data,)))
 
 
 def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorEntry:
-    anchor_step, path = reader.state.replay_path(step)
+    anchor_step, replayed = reader.state.replay_path(step)
     replayer = reader.start_replay(anchor_step)
-    reader.replay_steps(replayer, path)
+    reader.replay_steps(replayer, replayed)
     replayer.sync_optimizer_tensors()
     # Residuals of a top-k compressor are only valid at the anchor that stored them.
     tensors = {n: t.detach().contiguous() for n, t in replayer.tensors.items() if not n.startswith("compressor")}
     anchor = anchor_parts(tensors, step)
-    ref = _write_parts(reader, anchor_object_path(step), anchor.parts, anchor.size, written)
+    path = anchor_object_path(step)
+    try:
+        crc = write_anchor_parts(reader.store, path, anchor)  # checksummed while it is written
+    except OSError as e:
+        raise WriterIOError(f"{reader.path}/{path}: {e.strerror or e}; the chain is unchanged") from None
+    written.append(path)
+    ref = ObjectRef(path=path, size=anchor.size, crc32c=crc)
     return AnchorEntry(step=step, object=ref, param_groups=replayer.param_groups, extra=replayer.extra,
                        optimizer=replayer.optimizer_structure)
 

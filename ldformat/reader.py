@@ -377,16 +377,28 @@ def _ranges(steps: list[int]) -> str:
 RETRIES_WHILE_THE_LOG_MOVES = 5
 #: Objects of one batch fetched at the same time from an object store.
 FETCH_CONCURRENCY = 8
-_fetch_pool: ThreadPoolExecutor | None = None
-_fetch_pool_lock = threading.Lock()
+_pools: dict[str, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _shared_pool(name: str, workers: Callable[[], int]) -> ThreadPoolExecutor:
+    """The process-wide thread pool ``name``, made with ``workers()`` threads when first used."""
+    with _pools_lock:
+        pool = _pools.get(name)
+        if pool is None:
+            pool = _pools[name] = ThreadPoolExecutor(max_workers=workers(), thread_name_prefix=f"ldformat-{name}")
+        return pool
 
 
 def _fetcher() -> ThreadPoolExecutor:
-    global _fetch_pool
-    with _fetch_pool_lock:
-        if _fetch_pool is None:
-            _fetch_pool = ThreadPoolExecutor(max_workers=FETCH_CONCURRENCY, thread_name_prefix="ldformat-fetch")
-        return _fetch_pool
+    """The threads that fetch a batch's objects from an object store concurrently."""
+    return _shared_pool("fetch", lambda: FETCH_CONCURRENCY)
+
+
+def _decode_pool() -> ThreadPoolExecutor:
+    """The threads the chunks of a row decompress on (numcodecs releases the GIL): as many as
+    torch's intra-op threads when first used."""
+    return _shared_pool("decode", lambda: max(1, torch.get_num_threads()))
 
 
 def _remote(store: Store) -> bool:
@@ -484,18 +496,3 @@ class _Prefetcher:
             self._next.cancel()
         self._pool.shutdown(wait=True)
         self._decoder = None
-
-
-_decode_workers: ThreadPoolExecutor | None = None
-_decode_workers_lock = threading.Lock()
-
-
-def _decode_pool() -> ThreadPoolExecutor:
-    """The threads the chunks of a row decompress on (numcodecs releases the GIL): as many as
-    torch's intra-op threads when first used."""
-    global _decode_workers
-    with _decode_workers_lock:
-        if _decode_workers is None:
-            _decode_workers = ThreadPoolExecutor(max_workers=max(1, torch.get_num_threads()),
-                                                 thread_name_prefix="ldformat-decode")
-        return _decode_workers
