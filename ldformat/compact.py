@@ -182,14 +182,17 @@ def _stale_uploads(store: Store, storage_options: dict[str, Any] | None, plan: C
         log.warning("%s", e)
 
 
-def retain_from_newest_anchor(path: str, store: Store, lock: WriterLock) -> tuple[list[int], ChainState]:
-    """Drop every step before the newest anchor, under a writer's own ``lock`` (the live
-    retention of ``max_bytes``); returns the dropped steps and the chain's new state."""
+def retain_from_newest_anchor(path: str, store: Store, lock: WriterLock,
+                              at_most: int | None = None) -> tuple[list[int], ChainState]:
+    """Drop every step before the newest anchor (the newest at or below ``at_most``, when
+    given), under a writer's own ``lock`` (the live retention of ``max_bytes``); returns the
+    dropped steps and the chain's new state."""
     reader = ChainReader(path, store=store)
     state = reader.state
-    if not state.anchors or state.latest_step is None:
+    anchors = [a for a in state.anchors if at_most is None or a <= at_most]
+    if not anchors or state.latest_step is None:
         return [], state
-    keep_last = state.latest_step - max(state.anchors) + 1
+    keep_last = state.latest_step - max(anchors) + 1
     plan = _compact(reader, lock, None, keep_last, None, None)
     return plan.dropped_steps, reader.state
 

@@ -174,6 +174,10 @@ class ChainWriter:
         self._batch_bytes = 0
         self.max_bytes: int | None = None  # a disk budget kept by dropping history after commits
         self.retained: list[int] = []  # steps dropped to keep max_bytes
+        #: Retention keeps every step from the newest anchor at or below this step on (a rank
+        #: chain's writer: the sharded chain's newest committed step, spec §20.8); when it
+        #: returns None, nothing is dropped.
+        self.retain_at_most: Callable[[], int | None] | None = None
         self._over_budget_warned = False
         self.last_commit_seconds = 0.0  # sync + record creation of the latest commit (and snapshot)
         self.commits = 0
@@ -730,7 +734,12 @@ class ChainWriter:
         from .compact import retain_from_newest_anchor  # compact builds on this module
 
         try:
-            dropped, self._state = retain_from_newest_anchor(self.path, self.store, lock)
+            at_most = None
+            if self.retain_at_most is not None:
+                at_most = self.retain_at_most()
+                if at_most is None:
+                    return  # nothing committed in the sharded chain yet: keep everything
+            dropped, self._state = retain_from_newest_anchor(self.path, self.store, lock, at_most)
         except ChainError as e:
             self._failed = e
             raise

@@ -206,7 +206,7 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool
     ck = None
     if spec.get("mode") and checkpoint:
         ck = ldformat.Checkpointer(out / spec["chain"], model, optimizer, mode=spec["mode"],
-                                   anchor_every=4, batch_steps=2)
+                                   anchor_every=4, batch_steps=2, max_bytes=spec.get("max_bytes"))
     record: dict[str, Any] = {"start": step, "layout": local_layout(model), "steps": {step: gather(model, optimizer)}}
     for _ in range(int(spec["steps"])):
         step += 1

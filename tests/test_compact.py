@@ -111,3 +111,34 @@ def test_compact_refuses_while_a_writer_is_live(tmp_path: Path) -> None:
         ldformat.compact(str(tmp_path / "c"), max_replay=1)
     writer.close()
     ldformat.compact(str(tmp_path / "c"), max_replay=1)
+
+
+def test_live_retention_never_passes_its_bound(tmp_path: Path) -> None:
+    """The retention of ``max_bytes`` keeps every step from the newest anchor at or below its
+    bound (a rank chain's: the sharded chain's newest committed step, spec §20.8)."""
+    from ldformat.compact import retain_from_newest_anchor
+    from ldformat.log import WriterLock
+    from ldformat.stores import open_store
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    path = str(tmp_path / "chain")
+    refs = {0: snapshot(model, opt)}
+    with ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=2, anchor_every=4) as w:
+        for s in range(1, 11):
+            train_step(model, opt, s)
+            w.record_step(s)
+            refs[s] = snapshot(model, opt)
+    assert ldformat.ChainReader(path).anchors == [0, 4, 8]
+    store = open_store(path)
+    lock = WriterLock.acquire(store, path)
+    try:
+        assert retain_from_newest_anchor(path, store, lock, at_most=3)[0] == []  # only anchor 0 is at or below 3
+        dropped, state = retain_from_newest_anchor(path, store, lock, at_most=7)
+        assert dropped == [0, 1, 2, 3] and state.steps == list(range(4, 11))
+    finally:
+        lock.release()
+    reader = ldformat.ChainReader(path)
+    for s in reader.steps:
+        assert_state_bits_equal(reader.materialize(s), refs[s], f"step {s}")

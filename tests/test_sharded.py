@@ -90,6 +90,8 @@ W2_CHAINS = [
     chain_run("fsdpmp-xor", "fsdp-mp", "xor", "adamw"),  # MixedPrecisionPolicy(bf16 params, fp32 reduce)
     chain_run("fsdpmp-lowdiffp", "fsdp-mp", "lowdiff+", "adamw"),
 ]
+#: A chain with a disk budget (live retention per rank chain), checked on its own.
+BUDGET_RUN = {**chain_run("fsdp-budget", "fsdp", "xor", "adamw"), "max_bytes": 2 * 24_000}
 W4_CHAINS = [
     chain_run("fsdp4-xor", "fsdp", "xor", "adam"),
     chain_run("2d-xor", "2d", "xor", "sgd"),
@@ -199,7 +201,7 @@ def launch(outdir: Path, world: int, runs: list[dict[str, Any]], timeout: float)
 def w2(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     """World 2: a chain per layout (FSDP2, TP) and mode."""
     outdir = tmp_path_factory.mktemp("sharded-w2")
-    return launch(outdir, 2, W2_CHAINS, timeout=240)
+    return launch(outdir, 2, [*W2_CHAINS, BUDGET_RUN], timeout=240)
 
 
 @dataclass
@@ -562,6 +564,28 @@ def test_dcp_export_loads_without_process_group(dcp_export: Export, w2: Launch) 
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optimizer"])
     assert_same(_snapshot(model, opt), gathered(w2, "fsdp-xor", MID), "after dcp.load")
+
+
+def test_a_disk_budget_drops_history_per_rank_and_keeps_the_newest_committed_step(w2: Launch) -> None:
+    """``max_bytes`` on a sharded model: each rank chain keeps within its share by dropping
+    the steps before its newest anchor at or below the newest commit record's step, so the
+    chain keeps its latest steps, every one exact, and validates."""
+    path = w2.chain("fsdp-budget")
+    reader = ldformat.open_reader(path)
+    assert isinstance(reader, ldformat.ShardedReader)
+    assert reader.latest_step == STEPS
+    assert reader.steps[0] > 0, f"nothing was dropped: {reader.steps}"
+    assert reader.steps == list(range(reader.steps[0], STEPS + 1))
+    share = BUDGET_RUN["max_bytes"] // 2
+    for rank in reader.ranks:
+        assert rank.steps[0] in rank.anchors
+        assert rank.state.referenced_bytes() <= share, (rank.path, rank.state.referenced_bytes(), share)
+    problems = []
+    for step in reader.steps:
+        want = gathered(w2, "fsdp-budget", step)
+        problems += [f"step {step}: {d}" for d in state_diffs(reader.materialize(step), want)]
+    assert not problems, problems[:20]
+    assert ldformat.validate(path).ok
 
 
 def test_every_run_completed(w1: Launch, w2: Launch, w2b: Launch, w4: Launch) -> None:

@@ -58,7 +58,7 @@ from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
 from .resume import open_writer
 from .rng import capture_rng
-from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, commit_now
+from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, commit_now, newest_committed, rank_budget
 from .sharded import setup as sharded_setup
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
@@ -132,7 +132,9 @@ class Checkpointer:
             above it, the steps before the newest anchor are dropped (live retention, as
             ``compact(keep_last=...)``), and an automatic ``anchor_every`` is kept small enough
             that two anchors and the deltas between them fit. Refused before anything is
-            written when it cannot hold two anchors of the current state.
+            written when it cannot hold two anchors of the current state. With a sharded
+            model each rank's chain gets an equal share (``max_bytes`` divided by the world
+            size), and a rank never drops the sharded chain's newest committed step.
         queue_depth: steps that may wait for the background writer before training blocks.
         max_batch_bytes: a batch is committed early once its captured steps hold this much.
         stage_during_backward: ``lowdiff+`` copies each gradient to host memory as soon as
@@ -228,7 +230,8 @@ class Checkpointer:
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
-        if max_bytes is not None:
+        self.sharded = has_dtensors(model)
+        if max_bytes is not None and not self.sharded:
             check_budget(max_bytes, model, optimizer)
         self.path = str(path)
         self.mode = mode
@@ -244,17 +247,22 @@ class Checkpointer:
         self.compressor = compressor if compressor is not None else (TopK(topk_ratio) if mode == "lowdiff" else None)
         self._compress = compress and mode == "lowdiff"
         self.process_group = process_group
-        self.sharded = has_dtensors(model)
         self._committer: Committer | None = None
         rank_lock = None
         if self.sharded:  # every rank writes its own chain of local shards (spec §20)
-            if mirror is not None or max_bytes is not None or store is not None:
-                raise UsageError("with a sharded model (DTensor parameters), mirror=, max_bytes= and store= "
-                                 "are not supported yet")
+            if mirror is not None or store is not None:
+                raise UsageError("with a sharded model (DTensor parameters), mirror= and store= are not supported "
+                                 "yet: give an object store URL as the path to write to it directly")
             compressor_ = self.compressor
+            max_bytes = rank_budget(max_bytes, process_group)
+
+            def check() -> None:  # each rank's refusals, before any rank writes
+                build_schema(model, optimizer, self.kind, compressor_)
+                if max_bytes is not None:
+                    check_budget(max_bytes, model, optimizer, each_rank=True)
+
             sharded = sharded_setup(self.path, model, optimizer, kind=self.kind, group=process_group,
-                                    storage_options=storage_options,
-                                    check=lambda: build_schema(model, optimizer, self.kind, compressor_))
+                                    storage_options=storage_options, check=check)
             rank_lock = sharded.lock
             if step is not None and sharded.committed is not None and step != sharded.committed:
                 if rank_lock is not None:
@@ -304,6 +312,7 @@ class Checkpointer:
             if sharded.rank == 0:
                 self._committer = Committer(self.path, sharded.world_size, storage_options, self.stats)
             commit_now(self._committer, process_group, self.writer.durable_step)
+            self.writer.retain_at_most = newest_committed(self.path, storage_options)
         self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -359,6 +359,33 @@ def commit_now(committer: Committer | None, group: Any, durable: int | None) -> 
     if committer is not None:
         committer.poll()
 
+
+
+def rank_budget(max_bytes: int | None, group: Any) -> int | None:
+    """Each rank's share of a sharded chain's disk budget: ``max_bytes`` split evenly over the
+    rank chains (a rank's retention only sees its own rank chain)."""
+    import torch.distributed as dist
+
+    if max_bytes is None or not isinstance(max_bytes, int) or not dist.is_initialized():
+        return max_bytes
+    return max_bytes // dist.get_world_size(group)
+
+
+def newest_committed(path: str, storage_options: dict[str, Any] | None) -> Callable[[], int | None]:
+    """The step of the sharded chain's newest commit record, read when called: a rank chain's
+    retention keeps everything from the newest anchor at or below it, so that the newest
+    committed step stays committed whatever the other ranks drop (spec §20.8)."""
+    store = open_store(path, storage_options=storage_options)
+
+    def step() -> int | None:
+        try:
+            last = newest_commit(store, path)
+        except (OSError, LdformatError) as e:
+            log.warning("%s: cannot read the newest commit record (%s); no history is dropped this time", path, e)
+            return None
+        return None if last is None else last.step
+
+    return step
 
 
 def live_regions(model: torch.nn.Module) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from ..errors import UsageError
+from ..shards import local
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps
 
 if TYPE_CHECKING:
@@ -89,15 +90,22 @@ class CaptureStats:
         }
 
 
-def check_budget(max_bytes: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a ``max_bytes`` that cannot hold two anchors of the current state (before training)."""
-    state = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
-    state += sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
-                 if isinstance(v, torch.Tensor))
+def check_budget(max_bytes: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 each_rank: bool = False) -> None:
+    """Refuse a ``max_bytes`` that cannot hold two anchors of the current state (before training);
+    ``each_rank``: it is one rank's share of the budget, for that rank's local shards."""
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return t.numel() * t.element_size()
+
+    state = sum(size(t) for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    state += sum(size(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor))
     if not isinstance(max_bytes, int) or max_bytes < 2 * state:
-        raise UsageError(f"max_bytes={max_bytes!r} cannot hold two anchors of the current state ({state} bytes "
-                         f"each, without the optimizer state it has yet to create); give at least {2 * state}, "
-                         "better several times more")
+        what = f"max_bytes={max_bytes!r}" if not each_rank else (
+            f"this rank's share of max_bytes ({max_bytes!r} bytes, the budget divided by the world size)")
+        raise UsageError(f"{what} cannot hold two anchors of the current state ({state} bytes "
+                         f"each, without the optimizer state it has yet to create); give at least {2 * state}"
+                         f"{' per rank' if each_rank else ''}, better several times more")
 
 
 def positive_interval(value: object, name: str) -> int:
