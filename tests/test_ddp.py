@@ -3,9 +3,10 @@
 Two CPU processes (gloo) train a DDP-wrapped :class:`models.TinyNet` on different data. Each
 rank compresses its gradient with its own :class:`ldformat.TopK` inside
 :func:`ldformat.topk_comm_hook`; rank 0 records a ``grad.topk`` chain with a
-:class:`ldformat.Checkpointer` that only reads the compressor's indices, rank 1 runs a
-:class:`ldformat.ResidualPeer` so that every anchor also holds its residuals
-(docs/capture-runtime.md "Data-parallel `lowdiff`").
+:class:`ldformat.Checkpointer` that only reads the compressor's indices, rank 1 hands its
+residuals to every anchor (docs/capture-runtime.md "Data-parallel `lowdiff`"). Two ways, each
+a run: ``peer``, rank 1 runs a :class:`ldformat.ResidualPeer`; ``every``, every rank
+constructs the same ``Checkpointer`` (rank 1's becomes the peer).
 
 The workers save what they saw after every step; the checks run in the pytest process.
 Run as a script (``python test_ddp.py RANK WORLD OUTDIR``) this file is one worker.
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 
 
 # -- worker ------------------------------------------------------------------------------------
-def _worker(rank: int, world: int, outdir: Path) -> None:
+def _worker(rank: int, world: int, outdir: Path, style: str) -> None:
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -62,7 +63,7 @@ def _worker(rank: int, world: int, outdir: Path) -> None:
         ddp.register_comm_hook(state, ldformat.topk_comm_hook)  # DDP checks the hook's annotations
         direct = True
         side: Any
-        if rank == 0:
+        if rank == 0 or style == "every":
             side = ldformat.Checkpointer(outdir / "chain", model, opt, mode="lowdiff", compressor=topk,
                                          compress=False, anchor_every=ANCHOR_EVERY, batch_steps=BATCH_STEPS)
         else:
@@ -91,7 +92,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(outdir: Path) -> tuple[list[int | None], list[str]]:
+def _launch(outdir: Path, style: str) -> tuple[list[int | None], list[str]]:
     """Run the workers; as soon as one fails (or the time is up) kill the others."""
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
     logs = [outdir / f"rank{rank}.log" for rank in range(WORLD)]
@@ -99,7 +100,7 @@ def _launch(outdir: Path) -> tuple[list[int | None], list[str]]:
     try:
         for rank, log in enumerate(logs):
             with open(log, "w") as out:  # a file, not a pipe: a chatty worker can never block on it
-                procs.append(subprocess.Popen([sys.executable, __file__, str(rank), str(WORLD), str(outdir)],
+                procs.append(subprocess.Popen([sys.executable, __file__, str(rank), str(WORLD), str(outdir), style],
                                               env=env, stdout=out, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + TIMEOUT_S
         while time.monotonic() < deadline:
@@ -117,12 +118,12 @@ def _launch(outdir: Path) -> tuple[list[int | None], list[str]]:
     return [p.returncode for p in procs], outputs
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["peer", "every"])
+def ddp_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = ""
     for _attempt in range(3):
         outdir = tmp_path_factory.mktemp("ddp")
-        codes, outputs = _launch(outdir)
+        codes, outputs = _launch(outdir, request.param)
         if codes == [0] * WORLD:
             return outdir
         text = "\n".join(f"--- rank {r} (exit {codes[r]}) ---\n{out}" for r, out in enumerate(outputs))
@@ -232,5 +233,20 @@ def test_resume_exact_restores_rank1_residuals(ddp_run: Path, records: list[dict
         np.random.set_state(rng[2])
 
 
+def test_a_refusal_on_rank_0_stops_every_rank_at_once(tmp_path: Path) -> None:
+    """Every rank constructs the Checkpointer; rank 0's refuses the chain (it holds another
+    kind): rank 1's, waiting to learn rank 0's start step, fails at once with rank 0's
+    reason instead of waiting for a collective that never comes."""
+    torch.manual_seed(0)
+    model = TinyNet()
+    ldformat.ChainWriter.create(tmp_path / "chain", model, torch.optim.Adam(model.parameters()),
+                                kind="state.xor").close()
+    started = time.monotonic()
+    codes, outputs = _launch(tmp_path, "every")
+    assert time.monotonic() - started < TIMEOUT_S / 2
+    assert codes[0] != 0 and "grad.topk" in outputs[0] and "state.xor" in outputs[0], outputs[0]
+    assert codes[1] != 0 and "rank 0's Checkpointer failed" in outputs[1] and "state.xor" in outputs[1], outputs[1]
+
+
 if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    _worker(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4])

@@ -118,28 +118,68 @@ def peer_residual_tensors(topk: TopK, names: list[str], group: dist.ProcessGroup
     return tensors
 
 
+def _group_rank0(group: dist.ProcessGroup | None) -> int:
+    return int(dist.get_global_rank(group, 0)) if group is not None else 0
+
+
+def announce_start(group: dist.ProcessGroup | None, step: int | None, anchor_every: int | None,
+                   error: BaseException | None = None) -> None:
+    """Rank 0's side of :func:`learn_start` (a collective): the step its chain continues from
+    and its ``anchor_every``, or the error that stopped its Checkpointer, so that no peer waits
+    for an all-gather that rank 0 will never join."""
+    box: list[object] = [None if error is None else f"{type(error).__name__}: {error}", step, anchor_every]
+    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
+
+
+def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """A peer's side of :func:`announce_start`: rank 0's start step and ``anchor_every``."""
+    from ..errors import LdformatError
+
+    box: list[object] = [None, None, None]
+    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
+    failed, step, anchor_every = box
+    if failed is not None:
+        raise LdformatError(f"rank 0's Checkpointer failed, so this rank stops too: {failed}")
+    assert isinstance(step, int) and isinstance(anchor_every, int)
+    return step, anchor_every
+
+
 class ResidualPeer:
     """On ranks other than 0: hand this rank's top-k residuals to rank 0's anchors.
 
     Rank 0 runs a :class:`~ldformat.Checkpointer` (mode ``lowdiff``, an integer
-    ``anchor_every``); every other rank runs a ResidualPeer with the same ``anchor_every``
-    and start ``step``, so that both sides join the same all-gather at every anchor step.
-    Given the GradScaler, it counts one step per ``scaler.update()``, skipped steps
-    included, as the Checkpointer does.
+    ``anchor_every``). Every other rank runs a ResidualPeer, which learns rank 0's start step
+    and ``anchor_every`` from it in the constructor (a collective), so that both sides join
+    the same all-gather at every anchor step; a ``Checkpointer`` constructed on every rank in
+    mode ``lowdiff`` makes one itself. Given the GradScaler, it counts one step per
+    ``scaler.update()``, skipped steps included, as the Checkpointer does.
+
+    Raises:
+        UsageError: ``anchor_every`` or ``step``, when given, differ from rank 0's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK, *, anchor_every: int,
-                 model: torch.nn.Module, step: int = 0, process_group: dist.ProcessGroup | None = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK, *, anchor_every: int | None = None,
+                 model: torch.nn.Module, step: int | None = None, process_group: dist.ProcessGroup | None = None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
+        from ..errors import UsageError
+
+        if anchor_every is not None:
+            positive_interval(anchor_every, "anchor_every")
+        start, every = learn_start(process_group)
+        if anchor_every is not None and anchor_every != every:
+            raise UsageError(f"ResidualPeer: anchor_every={anchor_every}, but rank 0's Checkpointer anchors every "
+                             f"{every} steps; give the same (or leave it out)")
+        if step is not None and step != start:
+            raise UsageError(f"ResidualPeer: step={step}, but rank 0's chain continues from step {start}")
         self.compressor = compressor
-        self.anchor_every = positive_interval(anchor_every, "anchor_every")
-        self.step = step
+        self.anchor_every = every
+        self.step = start
         self.process_group = process_group
         by_id: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(p), name)
         self._names = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        self._last_anchor = step
+        self._last_anchor = start
         self._handle = optimizer.register_step_post_hook(self._post_hook)
         self._scaler = scaler
         self._unwrap = call_after(scaler, "update", self._count_step) if scaler is not None else None

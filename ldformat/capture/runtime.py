@@ -50,7 +50,7 @@ from ..stores import Store
 from ..topk import TopK
 from ..writer import build_schema
 from .background import BackgroundWriter, Queued
-from .ddp import peer_residual_tensors, world_size
+from .ddp import ResidualPeer, announce_start, peer_residual_tensors, world_size
 from .extra import Stateful, loop_extra
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
@@ -157,8 +157,10 @@ class Checkpointer:
             may construct the Checkpointer: rank 0 records the state every rank holds alike,
             once, and the others are passive (their RNG states and data positions are not
             recorded). Data-parallel ``lowdiff`` (docs/capture-runtime.md "Data-parallel
-            `lowdiff`"): the Checkpointer runs on rank 0, a :class:`ResidualPeer` on every
-            other rank.
+            `lowdiff`"): every rank constructs the Checkpointer with ``compressor=`` (the
+            TopK of its ``topk_comm_hook``) and an integer ``anchor_every``; rank 0 records,
+            and every other rank's becomes a :class:`ResidualPeer` that hands its residuals
+            to rank 0's anchors.
         mirror: replicate the chain in the background to this location (``s3://...``,
             ``memory://name``, a local directory, or a :class:`Store`): training commits
             locally as usual, and a mirror thread runs :func:`ldformat.sync` after commits
@@ -275,15 +277,19 @@ class Checkpointer:
         # Data parallel (replicated parameters, DDP): in 'xor' and 'lowdiff+' rank 0 records the
         # state, which every rank holds alike, once; the other ranks' Checkpointers are passive.
         self._passive = False
+        self._peer: ResidualPeer | None = None
         if self.world_size > 1 and mode in ("xor", "lowdiff+"):
             self._passive = torch.distributed.get_rank(process_group) != 0
             self.world_size = 1
-        if self.world_size > 1 and (mode != "lowdiff" or anchor_every == "auto"):
+        if self.world_size > 1 and (anchor_every == "auto" or compressor is None):
             raise UsageError(
-                "with several ranks in mode 'lowdiff', run Checkpointer on rank 0 with an integer anchor_every, "
-                "and ResidualPeer with the same anchor_every on every other rank (or use mode 'xor' or 'lowdiff+', "
-                "which need nothing else)"
+                "with several ranks in mode 'lowdiff', give an integer anchor_every (every rank must know the "
+                "anchor steps) and compressor=, the TopK of your topk_comm_hook (or use mode 'xor' or 'lowdiff+', "
+                "which need neither)"
             )
+        # Data-parallel 'lowdiff': rank 0 records; every other rank hands its residuals to rank
+        # 0's anchors (a ResidualPeer, made here when every rank constructs a Checkpointer).
+        self._peer_rank = self.world_size > 1 and torch.distributed.get_rank(process_group) != 0
         self.max_batch_bytes = max_batch_bytes
         self.stats = CaptureStats()
         self.tuning = Tuning(anchor_every, batch_steps, stats=self.stats, max_stall=max_stall,
@@ -291,6 +297,11 @@ class Checkpointer:
                              max_bytes=max_bytes)
         self._step = 0
         self._closed = False
+        if self._peer_rank:
+            assert self.compressor is not None and isinstance(anchor_every, int)
+            self._peer = ResidualPeer(optimizer, self.compressor, anchor_every=anchor_every, model=model,
+                                      process_group=process_group, scaler=scaler)
+            self._passive = True
         if self._passive:
             return
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -303,21 +314,30 @@ class Checkpointer:
         self._last_step_bytes = 0
 
         started = time.perf_counter()
-        self.writer = open_writer(str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
-                                  compressor=self.compressor, batch_steps=self.batch_steps, store=store,
-                                  first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
-                                  storage_options=storage_options, rank_chain=self.sharded, lock=rank_lock)
-        self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
-        if self.sharded:
-            if sharded.rank == 0:
-                self._committer = Committer(self.path, sharded.world_size, storage_options, self.stats)
-            commit_now(self._committer, process_group, self.writer.durable_step)
-            self.writer.retain_at_most = newest_committed(self.path, storage_options)
+        try:
+            self.writer = open_writer(
+                str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
+                compressor=self.compressor, batch_steps=self.batch_steps, store=store,
+                first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
+                storage_options=storage_options, rank_chain=self.sharded, lock=rank_lock)
+            self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
+            if self.sharded:
+                if sharded.rank == 0:
+                    self._committer = Committer(self.path, sharded.world_size, storage_options, self.stats)
+                commit_now(self._committer, process_group, self.writer.durable_step)
+                self.writer.retain_at_most = newest_committed(self.path, storage_options)
+        except BaseException as e:
+            if self.world_size > 1:
+                announce_start(process_group, None, None, e)  # the peers stop too, at once
+            raise
         self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
+        if self.world_size > 1:
+            assert isinstance(anchor_every, int)
+            announce_start(process_group, self._step, anchor_every)
         schema = self.writer.root.schema
         self._param_names: list[str] = schema["optimizer"]["params"]
         self._buffer_names = [e["name"] for e in schema["model"] if e["role"] == "buffer" and e["alias_of"] is None]
@@ -610,6 +630,8 @@ class Checkpointer:
         says how far the mirror stays behind if it does not complete).
         """
         if self._passive:
+            if self._peer is not None:
+                self._peer.close()
             return None
         if self._closed:
             return self.writer.durable_step
