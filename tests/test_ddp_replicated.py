@@ -1,5 +1,7 @@
 """Data parallelism in ``xor`` and ``lowdiff+``: every rank constructs a Checkpointer, the
-replicated state is recorded once, by rank 0, and every step materializes bit for bit."""
+replicated state is recorded once, by rank 0, and every step materializes bit for bit; every
+rank's RNG state and data position are recorded with each step (``extra.ranks``) and
+``resume(rank=r)`` restores rank ``r``'s own."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ddp_replicated_worker import Position
 
 import ldformat
 from ldformat.state import bits_view
@@ -57,3 +60,22 @@ def test_every_rank_constructs_and_rank_0_records_once(tmp_path: Path, mode: str
                 assert torch.equal(bits_view(got["optimizer"]["state"][i][key].contiguous()),
                                    bits_view(v.contiguous())), (step, i, key)
     assert ldformat.validate(tmp_path / "chain").ok
+    own = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert not torch.equal(own[0][7][0], own[1][7][0])  # the ranks' dropout streams differ
+    for step in range(8):
+        extra = reader.materialize(step)["extra"]
+        assert torch.equal(extra["rng"]["torch"], own[0][step][0]) and extra["data"] == own[0][step][1], step
+        assert sorted(extra["ranks"]) == ["1"], step
+        assert torch.equal(extra["ranks"]["1"]["rng"]["torch"], own[1][step][0]), step
+        assert extra["ranks"]["1"]["data"] == own[1][step][1], step
+    saved = torch.get_rng_state()
+    try:
+        for rank in (0, 1):
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 2))
+            position = Position(-1)
+            step = ldformat.resume(tmp_path / "chain", model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   data=position, rank=rank)
+            assert step == 7
+            assert torch.equal(torch.get_rng_state(), own[rank][7][0]) and position.state_dict() == own[rank][7][1]
+    finally:
+        torch.set_rng_state(saved)

@@ -18,8 +18,11 @@ How the ranks are set up: docs/capture-runtime.md "Data-parallel `lowdiff`".
 import torch
 import torch.distributed as dist
 
+from ..captured import nested_step
 from ..topk import TopK
+from .extra import Stateful
 from .hooks import call_after
+from .rng import capture_rng
 from .tuning import positive_interval
 
 
@@ -131,8 +134,9 @@ def announce_start(group: dist.ProcessGroup | None, step: int | None, anchor_eve
     dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
 
 
-def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """A peer's side of :func:`announce_start`: rank 0's start step and ``anchor_every``."""
+def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int | None]:
+    """A peer's side of :func:`announce_start`: rank 0's start step and ``anchor_every``
+    (None when rank 0's is automatic)."""
     from ..errors import LdformatError
 
     box: list[object] = [None, None, None]
@@ -140,32 +144,75 @@ def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int]:
     failed, step, anchor_every = box
     if failed is not None:
         raise LdformatError(f"rank 0's Checkpointer failed, so this rank stops too: {failed}")
-    assert isinstance(step, int) and isinstance(anchor_every, int)
+    assert isinstance(step, int) and (anchor_every is None or isinstance(anchor_every, int))
     return step, anchor_every
 
 
-class ResidualPeer:
-    """On ranks other than 0: hand this rank's top-k residuals to rank 0's anchors.
+#: How long a rank waits in the per-step exchange of extra state (a rank that died, or a loop
+#: that stopped stepping on one rank only, is reported after this instead of hanging).
+EXTRAS_TIMEOUT_S = 600.0
 
-    Rank 0 runs a :class:`~ldformat.Checkpointer` (mode ``lowdiff``, an integer
-    ``anchor_every``). Every other rank runs a ResidualPeer, which learns rank 0's start step
-    and ``anchor_every`` from it in the constructor (a collective), so that both sides join
-    the same all-gather at every anchor step; a ``Checkpointer`` constructed on every rank in
-    mode ``lowdiff`` makes one itself. Given the GradScaler, it counts one step per
-    ``scaler.update()``, skipped steps included, as the Checkpointer does.
+
+class RankExtras:
+    """Every data-parallel rank's RNG states and data position, sent to rank 0 once per step
+    on a gloo side group, so that rank 0 records each rank's own (spec §19.1 ``ranks``) and a
+    resumed rank gets its own back (§19.5). Constructing it is a collective of the group."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        from datetime import timedelta
+
+        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.rank = dist.get_rank(group)
+        self.world = len(members)
+        self.dst = members[0]
+        self.group = dist.new_group(ranks=members, backend="gloo", timeout=timedelta(seconds=EXTRAS_TIMEOUT_S),
+                                    use_local_synchronization=True)
+
+    def exchange(self, rng: dict[str, object], data: object) -> dict[str, dict[str, object]] | None:
+        """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank."""
+        gathered: list[object] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object({"rng": rng, "data": data}, gathered, dst=self.dst, group=self.group)
+        if gathered is None:
+            return None
+        out: dict[str, dict[str, object]] = {}
+        for r, got in enumerate(gathered[1:], start=1):
+            assert isinstance(got, dict)
+            out[str(r)] = got
+        return out
+
+
+class ResidualPeer:
+    """On ranks other than 0 of a data-parallel job: hand this rank's state to rank 0's chain.
+
+    Rank 0 runs a :class:`~ldformat.Checkpointer`. Every other rank runs a ResidualPeer
+    (a ``Checkpointer`` constructed on every rank makes one itself). In its constructor it
+    sends this rank's RNG states and data position to rank 0, then learns rank 0's start
+    step and ``anchor_every`` (collectives); after every step it sends them again, so that
+    rank 0 records each rank's own (spec §19.1 ``ranks``). In ``lowdiff`` mode (with a
+    ``compressor``, rank 0's ``anchor_every`` an integer) both sides also join one all-gather
+    of the top-k residuals at every anchor step. It counts steps as the Checkpointer does:
+    one per ``optimizer.step()``, or, given the GradScaler, one per ``scaler.update()``,
+    skipped steps included.
 
     Raises:
         UsageError: ``anchor_every`` or ``step``, when given, differ from rank 0's.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK, *, anchor_every: int | None = None,
-                 model: torch.nn.Module, step: int | None = None, process_group: dist.ProcessGroup | None = None,
-                 scaler: torch.amp.GradScaler | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: TopK | None, *,
+                 anchor_every: int | None = None, model: torch.nn.Module, step: int | None = None,
+                 process_group: dist.ProcessGroup | None = None, scaler: torch.amp.GradScaler | None = None,
+                 data: Stateful | None = None) -> None:
         from ..errors import UsageError
 
         if anchor_every is not None:
             positive_interval(anchor_every, "anchor_every")
+        self.data = data
+        self.extras = RankExtras(process_group)
+        self.extras.exchange(capture_rng(), self._data_state())  # the state of the start step
         start, every = learn_start(process_group)
+        if compressor is not None and every is None:
+            raise UsageError("ResidualPeer: rank 0's Checkpointer has an automatic anchor_every; data-parallel "
+                             "'lowdiff' needs an integer one on every rank")
         if anchor_every is not None and anchor_every != every:
             raise UsageError(f"ResidualPeer: anchor_every={anchor_every}, but rank 0's Checkpointer anchors every "
                              f"{every} steps; give the same (or leave it out)")
@@ -185,14 +232,19 @@ class ResidualPeer:
         self._unwrap = call_after(scaler, "update", self._count_step) if scaler is not None else None
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        if self._scaler is None:
+        if self._scaler is None and not nested_step(optimizer):
             self._count_step()
 
     def _count_step(self) -> None:
         self.step += 1
-        if self.step - self._last_anchor >= self.anchor_every:
+        if self.compressor is not None and self.anchor_every is not None and (
+                self.step - self._last_anchor >= self.anchor_every):
             gather_residuals(self.compressor, self._names, self.process_group)
             self._last_anchor = self.step
+        self.extras.exchange(capture_rng(), self._data_state())  # after the residuals, as rank 0 does
+
+    def _data_state(self) -> object:
+        return self.data.state_dict() if self.data is not None else None
 
     def close(self) -> None:
         self._handle.remove()

@@ -27,6 +27,7 @@ def loop_extra(
     data: dict[str, object] | None,
     policy: dict[str, object],
     user: dict[str, object],
+    ranks: dict[str, dict[str, object]] | None = None,
 ) -> dict[str, object]:
     """The extra state of one step as Python values: copies, not live objects.
 
@@ -36,6 +37,7 @@ def loop_extra(
         data: the sampler's ``state_dict()``, or ``None`` without a sampler.
         policy: the anchor interval and batch size in force (and the policy's inputs).
         user: the user's own dict (left out when empty).
+        ranks: the other data-parallel ranks' ``{"rng", "data"}``, by rank (a decimal string).
 
     Returns:
         A dict for :func:`ldformat.jsonvalue.encode` (which the background writer runs).
@@ -50,4 +52,6 @@ def loop_extra(
     extra["policy"] = policy
     if user:
         extra["user"] = copy.deepcopy(user)
+    if ranks:
+        extra["ranks"] = ranks
     return extra

@@ -76,7 +76,7 @@ def resume(
     compressor: TopK | None = None,
     exact: bool = False,
     step: int | None = None,
-    rank: int = 0,
+    rank: int | None = None,
     store: Store | None = None,
     storage_options: dict[str, Any] | None = None,
     mirror: str | os.PathLike[str] | Store | None = None,
@@ -95,7 +95,11 @@ def resume(
             the uninterrupted run; from a later delta step the residuals restart at zero,
             which changes the following compressed gradients (spec §14.2).
         step: an explicit step to resume from.
-        rank: whose top-k residuals ``compressor`` receives (data-parallel ``lowdiff``).
+        rank: the data-parallel rank this process resumes (default: its rank in the default
+            process group when ``torch.distributed`` is initialized, else 0): it gets that
+            rank's RNG states and data position where the chain recorded them (spec §19.1
+            ``ranks``; otherwise rank 0's, with a warning) and, given ``compressor``, that
+            rank's top-k residuals (data-parallel ``lowdiff``).
         data: the data position object given to the Checkpointer as ``data=`` (``sampler=``
             is its former name); its ``load_state_dict`` receives the captured position.
         store, storage_options: an explicit store, or settings of the object store at the
@@ -144,7 +148,11 @@ def resume(
     else:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-    extra = state["extra"]
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    extra = own_extra(state["extra"], rank, path)
     if scheduler is not None and "scheduler" in extra:
         scheduler.load_state_dict(extra["scheduler"])
     if scaler is not None and "scaler" in extra:
@@ -159,6 +167,23 @@ def resume(
     if "rng" in extra:
         restore_rng(extra["rng"])
     return step
+
+
+def own_extra(extra: dict[str, Any], rank: int, where: str) -> dict[str, Any]:
+    """``extra`` with rank ``rank``'s RNG states and data position (spec §19.5): a data-parallel
+    chain records the other ranks' under ``ranks``."""
+    if rank == 0:
+        return extra
+    mine = extra.get("ranks", {}).get(str(rank)) if isinstance(extra.get("ranks"), dict) else None
+    if not isinstance(mine, dict):
+        log.warning("%s: the chain holds no RNG states or data position of rank %d (recorded by one process, or "
+                    "by an earlier ldformat); rank %d restores rank 0's", where, rank, rank)
+        return extra
+    out = dict(extra)
+    if "rng" in mine:
+        out["rng"] = mine["rng"]
+    out["data"] = mine.get("data")
+    return out
 
 
 def is_sharded_chain(path: str, storage_options: dict[str, Any] | None) -> bool:

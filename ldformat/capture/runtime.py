@@ -50,7 +50,7 @@ from ..stores import Store
 from ..topk import TopK
 from ..writer import build_schema
 from .background import BackgroundWriter, Queued
-from .ddp import ResidualPeer, announce_start, peer_residual_tensors, world_size
+from .ddp import RankExtras, ResidualPeer, announce_start, peer_residual_tensors, world_size
 from .extra import Stateful, loop_extra
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
@@ -155,8 +155,9 @@ class Checkpointer:
         process_group: the group of the data-parallel or sharded job (default: the default
             group). With replicated parameters (DDP) in ``xor`` and ``lowdiff+``, every rank
             may construct the Checkpointer: rank 0 records the state every rank holds alike,
-            once, and the others are passive (their RNG states and data positions are not
-            recorded). Data-parallel ``lowdiff`` (docs/capture-runtime.md "Data-parallel
+            once, and the others send rank 0 their own RNG states and data position every
+            step (one gather on a gloo side group), recorded as ``extra["ranks"]`` for
+            ``resume`` to restore per rank. Data-parallel ``lowdiff`` (docs/capture-runtime.md "Data-parallel
             `lowdiff`"): every rank constructs the Checkpointer with ``compressor=`` (the
             TopK of its ``topk_comm_hook``) and an integer ``anchor_every``; rank 0 records,
             and every other rank's becomes a :class:`ResidualPeer` that hands its residuals
@@ -274,22 +275,22 @@ class Checkpointer:
             path, truncate = sharded.rank_path, True
             step = sharded.committed if sharded.committed is not None else step
         self.world_size = 1 if self.sharded else world_size(process_group)
-        # Data parallel (replicated parameters, DDP): in 'xor' and 'lowdiff+' rank 0 records the
-        # state, which every rank holds alike, once; the other ranks' Checkpointers are passive.
-        self._passive = False
+        # Data parallel (replicated parameters, DDP): rank 0 records the state, which every rank
+        # holds alike, once; every other rank's Checkpointer becomes a ResidualPeer, which sends
+        # rank 0 its own RNG states and data position every step (spec §19.1 ``ranks``) and, in
+        # 'lowdiff', its top-k residuals at every anchor.
+        data_parallel = self.world_size > 1
+        self._passive = data_parallel and torch.distributed.get_rank(process_group) != 0
         self._peer: ResidualPeer | None = None
-        if self.world_size > 1 and mode in ("xor", "lowdiff+"):
-            self._passive = torch.distributed.get_rank(process_group) != 0
-            self.world_size = 1
+        self._rank_extras: RankExtras | None = None
+        if data_parallel and mode in ("xor", "lowdiff+"):
+            self.world_size = 1  # every rank's state is rank 0's: no per-rank residuals
         if self.world_size > 1 and (anchor_every == "auto" or compressor is None):
             raise UsageError(
                 "with several ranks in mode 'lowdiff', give an integer anchor_every (every rank must know the "
                 "anchor steps) and compressor=, the TopK of your topk_comm_hook (or use mode 'xor' or 'lowdiff+', "
                 "which need neither)"
             )
-        # Data-parallel 'lowdiff': rank 0 records; every other rank hands its residuals to rank
-        # 0's anchors (a ResidualPeer, made here when every rank constructs a Checkpointer).
-        self._peer_rank = self.world_size > 1 and torch.distributed.get_rank(process_group) != 0
         self.max_batch_bytes = max_batch_bytes
         self.stats = CaptureStats()
         self.tuning = Tuning(anchor_every, batch_steps, stats=self.stats, max_stall=max_stall,
@@ -297,13 +298,15 @@ class Checkpointer:
                              max_bytes=max_bytes)
         self._step = 0
         self._closed = False
-        if self._peer_rank:
-            assert self.compressor is not None and isinstance(anchor_every, int)
-            self._peer = ResidualPeer(optimizer, self.compressor, anchor_every=anchor_every, model=model,
-                                      process_group=process_group, scaler=scaler)
-            self._passive = True
         if self._passive:
+            self._peer = ResidualPeer(optimizer, self.compressor if mode == "lowdiff" else None,
+                                      anchor_every=anchor_every if isinstance(anchor_every, int) else None,
+                                      model=model, process_group=process_group, scaler=scaler, data=self.sampler)
             return
+        initial_ranks = None
+        if data_parallel:
+            self._rank_extras = RankExtras(process_group)
+            initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state())
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -318,7 +321,7 @@ class Checkpointer:
             self.writer = open_writer(
                 str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
                 compressor=self.compressor, batch_steps=self.batch_steps, store=store,
-                first_extra=lambda: self._raw_extra(capture_rng(), self._data_state()),
+                first_extra=lambda: self._raw_extra(capture_rng(), self._data_state(), initial_ranks),
                 storage_options=storage_options, rank_chain=self.sharded, lock=rank_lock)
             self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
             if self.sharded:
@@ -327,7 +330,7 @@ class Checkpointer:
                 commit_now(self._committer, process_group, self.writer.durable_step)
                 self.writer.retain_at_most = newest_committed(self.path, storage_options)
         except BaseException as e:
-            if self.world_size > 1:
+            if data_parallel:
                 announce_start(process_group, None, None, e)  # the peers stop too, at once
             raise
         self.writer.max_bytes = max_bytes
@@ -335,9 +338,8 @@ class Checkpointer:
             self.tuning.anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
-        if self.world_size > 1:
-            assert isinstance(anchor_every, int)
-            announce_start(process_group, self._step, anchor_every)
+        if data_parallel:
+            announce_start(process_group, self._step, anchor_every if isinstance(anchor_every, int) else None)
         schema = self.writer.root.schema
         self._param_names: list[str] = schema["optimizer"]["params"]
         self._buffer_names = [e["name"] for e in schema["model"] if e["role"] == "buffer" and e["alias_of"] is None]
@@ -567,7 +569,8 @@ class Checkpointer:
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
         self.stager.mark(pending.buffers)
-        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data), pending.buffers))
+        ranks = self._rank_extras.exchange(pending.rng or {}, pending.data) if self._rank_extras else None
+        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, ranks), pending.buffers))
         self._step = step
         if anchor:
             self._last_anchor = step
@@ -577,10 +580,12 @@ class Checkpointer:
     def _optimizer_state_keys(self) -> frozenset[tuple[int, str]]:
         return frozenset((i, k) for i, p in enumerate(self._params) for k in self.optimizer.state.get(p, {}))
 
-    def _raw_extra(self, rng: dict[str, Any] | None, data: dict[str, Any] | None) -> dict[str, object]:
-        """The extra state of this step as Python values (spec §19.1); copies, not live objects."""
+    def _raw_extra(self, rng: dict[str, Any] | None, data: dict[str, Any] | None,
+                   ranks: dict[str, dict[str, object]] | None = None) -> dict[str, object]:
+        """The extra state of this step as Python values (spec §19.1); copies, not live objects;
+        ``ranks``: the other data-parallel ranks' RNG states and data positions."""
         return loop_extra(rng=rng or {}, scheduler=self.scheduler, scaler=self.scaler, data=data,
-                          policy=self.tuning.extra(), user=self.user_extra)
+                          policy=self.tuning.extra(), user=self.user_extra, ranks=ranks)
 
     def _data_state(self) -> dict[str, Any] | None:
         return self.sampler.state_dict() if self.sampler is not None else None
