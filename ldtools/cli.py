@@ -516,8 +516,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 RANKS_LISTED = 8
 
 
-def _sharded_info(reader: ldformat.ShardedReader, as_json: bool) -> None:
+def _sharded_info(reader: ldformat.ShardedReader, as_json: bool, lag: dict[str, Any] | None) -> None:
     data = sharded_info(reader)
+    if lag is not None:
+        data["mirror"] = lag
     if as_json:
         _echo(json.dumps(data, indent=2))
         return
@@ -560,6 +562,7 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool) -> None:
         _echo(f"compression  none yet: the chain takes {1 / ratio:.1f}x the bytes of a full checkpoint per step "
               f"({data['steps']} step(s) so far)")
     _echo(f"rank chains  {data['path']}/ranks/<rank>: `ldtools info` or `ldtools log` of one shows that rank's chain")
+    _echo_mirror_lag(data)
 
 
 def _sharded_log(reader: ldformat.ShardedReader, as_json: bool) -> None:
@@ -606,17 +609,35 @@ def mirror_lag(reader: ChainReader, mirror: str) -> dict[str, Any]:
         raise ldformat.ReplicaDivergedError(
             f"{mirror}: holds another chain (chain_id {replica.root.chain_id}), not a replica of {reader.path} "
             f"(chain_id {reader.root.chain_id})")
-    theirs = replica.latest_step
-    missing_steps = [s for s in reader.steps if theirs is None or s > theirs]
     last_seq = replica.records[-1].seq if replica.records else 0
-    missing = [r for r in reader.records if r.seq > last_seq]
+    missing = [(r.seq, r.time) for r in reader.records if r.seq > last_seq]
+    return _lag(reader.steps, replica.path, replica.latest_step, missing)
+
+
+def sharded_mirror_lag(reader: ldformat.ShardedReader, mirror: str) -> dict[str, Any]:
+    """:func:`mirror_lag` of a sharded chain: committed steps and commit records the replica
+    at ``mirror`` lacks (spec §20.12)."""
+    from ldformat.sharded import read_commits
+
+    replica = ldformat.open_reader(mirror)
+    if not isinstance(replica, ldformat.ShardedReader) or replica.root.chain_id != reader.root.chain_id:
+        raise ldformat.ReplicaDivergedError(f"{mirror}: holds another chain, not a replica of the sharded chain "
+                                            f"{reader.path} (chain_id {reader.root.chain_id})")
+    last_seq = replica.commit.seq if replica.commit is not None else 0
+    missing = [(c.seq, c.time) for c in read_commits(reader.store, reader.path) if c.seq > last_seq]
+    return _lag(reader.steps, replica.path, replica.latest_step, missing)
+
+
+def _lag(steps: list[int], mirror: str, theirs: int | None, missing: list[tuple[int, str]]) -> dict[str, Any]:
+    """The lag of a replica at ``theirs`` that lacks the records ``missing`` (number, time)."""
     age = None
     if missing:
         import datetime as dt
 
-        oldest = dt.datetime.fromisoformat(missing[0].time.replace("Z", "+00:00"))
+        oldest = dt.datetime.fromisoformat(missing[0][1].replace("Z", "+00:00"))
         age = max(0.0, (dt.datetime.now(dt.timezone.utc) - oldest).total_seconds())
-    return {"mirror": replica.path, "mirror_latest_step": theirs, "lag_steps": len(missing_steps),
+    return {"mirror": mirror, "mirror_latest_step": theirs,
+            "lag_steps": len([s for s in steps if theirs is None or s > theirs]),
             "lag_records": len(missing), "lag_seconds": 0.0 if age is None else round(age, 3)}
 
 
@@ -647,9 +668,7 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
     """
     reader = ldformat.open_reader(chain)
     if isinstance(reader, ldformat.ShardedReader):
-        if mirror is not None:
-            raise UsageError(f"{chain}: a sharded chain has no mirror (spec section 20.8); leave out --mirror")
-        _sharded_info(reader, as_json)
+        _sharded_info(reader, as_json, None if mirror is None else sharded_mirror_lag(reader, mirror))
         return
     data = chain_info(reader)
     if mirror is not None:
@@ -704,6 +723,10 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
     env: dict[str, Any] = data["environment"]
     _echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
           f"optimizer path {','.join(env.get('implementation', []))}")
+    _echo_mirror_lag(data)
+
+
+def _echo_mirror_lag(data: dict[str, Any]) -> None:
     lag = data.get("mirror")
     if lag is not None:
         if lag["lag_records"] == 0:
@@ -1148,15 +1171,17 @@ def truncate(chain: str, after: int, yes: bool) -> None:
 @PROGRESS
 @errors_to_exit_codes
 def sync(src: str, dst: str, as_json: bool, show_progress: bool | None) -> None:
-    """Replicate the chain SRC to DST, copying only what DST lacks (spec section 17.5).
+    """Replicate the chain SRC to DST, copying only what DST lacks (spec sections 17.5, 20.12).
 
     SRC is only read (a writer may append to it, a compaction rewrite it, meanwhile); DST is
     locked while it is written and is a valid chain at every moment. An interrupted sync
     continues where it stopped when run again. A DST that is not a replica of SRC is refused
     (exit 1): delete it, or sync to a new location.
 
-    A sharded chain is not synced by this version (exit 2), nor synced into; one rank's
-    chain of it may be copied out (to a new location), as any chain.
+    A sharded chain is replicated whole: sharded.json, every rank chain and the commit
+    records, each record once every rank chain of DST holds its step. A sharded chain is
+    not synced into an ordinary one nor the reverse, nor anything into one rank chain of a
+    sharded chain (exit 2); one rank's chain may be copied out, as any chain.
 
     Example: ldtools sync runs/chain /mnt/backup/chain
     """
@@ -1168,7 +1193,9 @@ def sync(src: str, dst: str, as_json: bool, show_progress: bool | None) -> None:
     lag = "up to date" if report.up_to_date else (
         f"{report.src_last_seq - report.dst_last_seq} records ({report.lag_steps} steps) behind")
     deferred = "; garbage kept until a record is copied (the lock was taken over)" if report.garbage_deferred else ""
-    _echo(f"synced {report.records_copied} records, {report.objects_copied} objects "
+    records = (f"{report.records_copied} commit records and {report.rank_records_copied} records of "
+               f"{report.world_size} rank chains" if report.sharded else f"{report.records_copied} records")
+    _echo(f"synced {records}, {report.objects_copied} objects "
           f"({human_bytes(report.bytes_copied)}) copied, {report.objects_skipped} already there, "
           f"{report.garbage_removed} removed; {report.dst} at step "
           f"{report.dst_latest_step}, {lag} ({report.src} at step {report.src_latest_step}); "

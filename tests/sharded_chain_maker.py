@@ -1,9 +1,10 @@
 """Makes a small FSDP2 sharded chain, and loads a DCP export of it on other meshes, for
 tests/test_cli_sharded.py.
 
-``python sharded_chain_maker.py make RANK WORLD OUTDIR STEPS``: one rank of an FSDP2 job
-(gloo, CPU, MASTER_ADDR/MASTER_PORT from the environment) that trains ``STEPS`` steps with
-a Checkpointer (xor, anchor_every=3, batch_steps=2) into ``OUTDIR/chain``. AdamW with two
+``python sharded_chain_maker.py make RANK WORLD OUTDIR STEPS [MIRROR]``: one rank of an FSDP2
+job (gloo, CPU, MASTER_ADDR/MASTER_PORT from the environment) that trains ``STEPS`` steps with
+a Checkpointer (xor, anchor_every=3, batch_steps=2) into ``OUTDIR/chain``, mirrored to
+``MIRROR`` when given. AdamW with two
 param groups and a learning-rate schedule, so that a hyperparameter changes every step.
 
 ``python sharded_chain_maker.py load DCP_DIR RESULT``: loads the DCP directory twice, with
@@ -60,7 +61,7 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 16, generator=g)
 
 
-def make(rank: int, world: int, outdir: Path, steps: int) -> None:
+def make(rank: int, world: int, outdir: Path, steps: int, mirror: str | None = None) -> None:
     import torch.distributed as dist
 
     import ldformat
@@ -70,7 +71,7 @@ def make(rank: int, world: int, outdir: Path, steps: int) -> None:
     shard(model, world)
     optimizer = new_optimizer(model)
     ck = ldformat.Checkpointer(outdir / "chain", model, optimizer, mode="xor", anchor_every=3, batch_steps=2,
-                               commit_timeout=30.0)
+                               commit_timeout=30.0, mirror=mirror)
     for step in range(1, steps + 1):
         optimizer.zero_grad()
         model(batch(rank, step)).square().mean().backward()
@@ -133,7 +134,8 @@ def load(dcp_dir: str, result: Path) -> None:
 def main() -> None:
     torch.set_num_threads(1)
     if sys.argv[1] == "make":
-        make(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]))
+        make(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5]),
+             sys.argv[6] if len(sys.argv) > 6 else None)
     elif sys.argv[1] == "load":
         load(sys.argv[2], Path(sys.argv[3]))
     else:

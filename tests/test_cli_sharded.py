@@ -3,7 +3,7 @@ validate summarize it; materialize writes .pt and .safetensors files bit-identic
 ``open_reader(path).materialize(step)`` at every committed step, and ``--format dcp`` a
 directory that DCP loads on other meshes (a plain model without a process group, FSDP2 at
 world 1); compact and truncate change every rank chain alike, and refuse one rank chain on
-its own; sync refuses it.
+its own; sync replicates it whole, and a job mirrors it.
 
 The chain is made once per module (tests/sharded_chain_maker.py, ~3 s); the DCP directory is
 loaded in a fresh process, as a job of another world size would load it.
@@ -549,6 +549,25 @@ def test_a_job_opens_the_chain_only_holding_every_rank_lock(chain_copy: Path) ->
     assert current_lock(rank0.store, rank0.path) is None
 
 
+def test_a_job_mirrors_the_sharded_chain(tmp_path: Path) -> None:
+    """``Checkpointer(..., mirror=)`` with a sharded model: rank 0 replicates the whole sharded
+    chain after its commits; at close the mirror holds every committed step, bit for bit."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    mirror = tmp_path / "mirror"
+    finish([run_maker(["make", str(r), str(WORLD), str(tmp_path), "5", str(mirror)], env) for r in range(WORLD)])
+    src = ldformat.ShardedReader(tmp_path / "chain")
+    copy = ldformat.open_reader(mirror)
+    assert isinstance(copy, ldformat.ShardedReader)
+    assert copy.steps == src.steps == list(range(6))
+    for s in src.steps:
+        assert_same(copy.materialize(s), src.materialize(s), f"mirror step {s}")
+    assert ldformat.validate(mirror).ok
+    out = invoke("info", tmp_path / "chain", "--mirror", mirror).stdout
+    assert f"mirror       {mirror}: up to date (step 5)" in out, out
+    lag = json.loads(invoke("info", tmp_path / "chain", "--mirror", mirror, "--json").stdout)["mirror"]
+    assert lag["lag_steps"] == 0 and lag["lag_records"] == 0
+
+
 def test_one_rank_chain_on_its_own_is_refused(chain: Path, tmp_path: Path) -> None:
     before = digest(chain)
     rank0 = chain / "ranks" / "00000"
@@ -560,8 +579,8 @@ def test_one_rank_chain_on_its_own_is_refused(chain: Path, tmp_path: Path) -> No
         ldformat.compact(rank0, keep_last=2)
     with pytest.raises(ldformat.UsageError):
         ldformat.truncate(rank0, 2)
-    line = error_line(invoke("sync", chain, tmp_path / "copy", code=2))
-    assert "a sharded chain is not synced" in line and not (tmp_path / "copy").exists()
+    invoke("sync", chain, tmp_path / "copy")  # the whole sharded chain is replicated (tests/test_sync_sharded.py)
+    assert digest(tmp_path / "copy") == digest(chain)
     line = error_line(invoke("sync", chain / "ranks" / "00001", rank0, code=2))
     assert "one rank's chain of a sharded chain" in line
     invoke("sync", rank0, tmp_path / "rank0-copy")  # copying one rank's chain out only reads it

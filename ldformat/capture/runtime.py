@@ -171,7 +171,9 @@ class Checkpointer:
             shown in :attr:`stats` (``mirror_lag_steps``, ``mirror_lag_seconds``,
             ``mirror_last_error``, ``mirror_syncs``). A mirror that diverged
             (:class:`~ldformat.ReplicaDivergedError`) is reported once and no longer synced.
-        mirror_options: ``storage_options`` of the object store at ``mirror``.
+        mirror_options: ``storage_options`` of the object store at ``mirror``. With a sharded
+            model, rank 0 replicates the whole sharded chain after its commit records (spec
+            §20.12); the other ranks do nothing for the mirror.
         mirror_timeout: :meth:`close` commits locally, then waits at most this many seconds
             for one final sync, and warns if the mirror is still behind.
         commit_timeout: sharded models only: :meth:`close` on rank 0 waits at most this many
@@ -253,9 +255,9 @@ class Checkpointer:
         self._committer: Committer | None = None
         rank_lock = None
         if self.sharded:  # every rank writes its own chain of local shards (spec §20)
-            if mirror is not None or store is not None:
-                raise UsageError("with a sharded model (DTensor parameters), mirror= and store= are not supported "
-                                 "yet: give an object store URL as the path to write to it directly")
+            if store is not None:
+                raise UsageError("with a sharded model (DTensor parameters), store= is not supported: give the "
+                                 "chain's location (a directory, or an object store URL) as the path")
             compressor_ = self.compressor
             max_bytes = rank_budget(max_bytes, process_group)
 
@@ -365,14 +367,20 @@ class Checkpointer:
         self.mirror_timeout = mirror_timeout
         self.commit_timeout = commit_timeout
         self._mirror: Mirror | None = None
-        if mirror is not None:
+        if mirror is not None and self.sharded:
+            if self._committer is not None:  # rank 0 replicates the whole sharded chain (spec §20)
+                self._mirror = Mirror(self.path, mirror, stats=self.stats, src_options=storage_options,
+                                      dst_options=mirror_options)
+                self._committer.on_commit = self._mirror.committed
+                self._mirror.committed(self._committer.committed)
+        elif mirror is not None:
             self._mirror = Mirror(store if store is not None else self.path, mirror, stats=self.stats,
                                   src_options=None if store is not None else storage_options,
                                   dst_options=mirror_options)
             self._mirror.committed(self.writer.durable_step)  # the chain as opened (or just created)
         self._background = BackgroundWriter(self.writer, self.pool, self.stats, self.tuning, self._replica,
-                                            on_commit=self._mirror.committed if self._mirror is not None
-                                            else self._committer.nudge if self._committer is not None else None)
+                                            on_commit=self._committer.nudge if self._committer is not None
+                                            else self._mirror.committed if self._mirror is not None else None)
         self._queue, self._thread = self._background.queue, self._background.thread
         open_at_exit.add(self)
 
@@ -666,7 +674,12 @@ class Checkpointer:
                 self._committer.finish(None, 0.0)
             raise
         if self._committer is not None:  # every rank's last step, committed for all (spec §20.3)
-            return self._committer.finish(step, self.commit_timeout)
+            try:
+                step = self._committer.finish(step, self.commit_timeout)
+            except BaseException:
+                if self._mirror is not None:
+                    self._mirror.close(0.0)
+                raise
         if self._mirror is not None:
             self._mirror.committed(step)
             self._mirror.close(self.mirror_timeout)

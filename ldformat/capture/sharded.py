@@ -259,6 +259,8 @@ class Committer:
                  stats: CaptureStats | None = None) -> None:
         self.path = path
         self.stats = stats
+        #: Called with the step of each commit record this committer creates (the mirror).
+        self.on_commit: Callable[[int], None] | None = None
         self._ended: dict[int, float] = {}  # step -> when rank 0 finished it (for commit latency)
         self.store = _top_store(path, storage_options)
         self.ranks = [_RankLog(rank_location(path, r), storage_options) for r in range(world_size)]
@@ -306,6 +308,8 @@ class Committer:
                     if r.state is not None:
                         r.store.sync([log_path(r.state.last_seq)])
                 self.last = create_commit(self.store, self.path, step, self.last)
+                if self.on_commit is not None:
+                    self.on_commit(step)
                 ended = self._ended.pop(step, None)
                 for s in [s for s in self._ended if s < step]:
                     del self._ended[s]
