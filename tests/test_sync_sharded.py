@@ -59,6 +59,7 @@ from ldformat.sharded import (
 )
 from ldformat.shards import Layout, Shard
 from ldformat.stores import WRITES, FaultyStore, LocalStore, MemoryStore, Store
+from ldformat.stores.prefixed import PrefixedStore
 from ldformat.testing.store_contract import StoreContract
 from ldtools.cli import cli
 
@@ -243,7 +244,7 @@ def check_partial(dst: Path, src_steps: list[int], truth: dict[int, dict[str, An
 def watch_commits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, list[list[int]]]]:
     """Every commit record the replicator creates, with the steps each rank chain of the
     replica held just before: (replica, step, steps per rank chain)."""
-    import ldformat.replicate as replicate
+    import ldformat.replicate_sharded as replicate
 
     seen: list[tuple[str, int, list[list[int]]]] = []
     create = replicate.create_or_lose
@@ -257,7 +258,7 @@ def watch_commits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, list[
                 if isinstance(store, LocalStore):
                     rank: ldformat.ChainReader = ldformat.ChainReader(rank_location(store.root, r))
                 else:
-                    rank = ldformat.ChainReader(f"{where}/ranks/{r:05d}", store=replicate._Prefixed(
+                    rank = ldformat.ChainReader(f"{where}/ranks/{r:05d}", store=PrefixedStore(
                         store, f"ranks/{r:05d}"))
                 held.append(rank.steps)
             seen.append((where, step, held))
@@ -279,30 +280,26 @@ class TestRankChainView(StoreContract[Store]):
 
     @pytest.fixture
     def store(self) -> Store:
-        from ldformat.replicate import _Prefixed
 
-        return _Prefixed(MemoryStore(), "ranks/00001")
+        return PrefixedStore(MemoryStore(), "ranks/00001")
 
     def reopen(self, store: Store) -> Store:
-        from ldformat.replicate import _Prefixed
 
-        assert isinstance(store, _Prefixed) and isinstance(store.inner, MemoryStore)
-        return _Prefixed(store.inner.reopen(), store.prefix)
+        assert isinstance(store, PrefixedStore) and isinstance(store.inner, MemoryStore)
+        return PrefixedStore(store.inner.reopen(), store.prefix)
 
     def crash(self, store: Store) -> None:
-        from ldformat.replicate import _Prefixed
 
-        assert isinstance(store, _Prefixed) and isinstance(store.inner, MemoryStore)
+        assert isinstance(store, PrefixedStore) and isinstance(store.inner, MemoryStore)
         store.inner.crash()
 
 
 def test_rank_chain_view_keeps_to_its_prefix() -> None:
-    from ldformat.replicate import _Prefixed
 
     inner = MemoryStore()
     inner.write("ranks/00000/log/000000000001.json", b"rank 0")
     inner.write("ranks/000001/x", b"another directory")
-    view = _Prefixed(inner, "ranks/00001")
+    view = PrefixedStore(inner, "ranks/00001")
     view.write("log/000000000001.json", b"rank 1")
     assert view.list("") == ["log/000000000001.json"] and view.list("log") == ["log/000000000001.json"]
     assert inner.read("ranks/00001/log/000000000001.json") == b"rank 1"
@@ -333,7 +330,7 @@ def _copyable_by_definition(pending: list[int], later: list[int], start: int | N
 def test_copyable_follows_the_rules() -> None:
     import random
 
-    from ldformat.replicate import copyable
+    from ldformat.replicate_sharded import copyable
 
     # Ascending records are all copied once held; none before the rank chains are synced.
     assert copyable([2, 4, 6], [], 0, {0, 1, 2, 3, 4, 5, 6}, rank_chains_synced=True) == 3
