@@ -152,6 +152,16 @@ def test_no_commit_record_means_no_committed_step(chain: Path) -> None:
     assert not report.ok and "no commit record" in "; ".join(map(str, report.problems))
 
 
+def test_an_unfinished_creation_is_one_problem(chain: Path) -> None:
+    """No commit record and rank 1's chain not created yet (a job starting): validate says that
+    it is an unfinished creation, and nothing about the missing rank chain."""
+    shutil.rmtree(chain / "commits")
+    shutil.rmtree(chain / "ranks" / "00001")
+    report = ldformat.validate(chain)
+    assert [p.message for p in report.problems if "unfinished creation" in p.message]
+    assert not [p for p in report.problems if "missing" in p.message], report.problems
+
+
 def test_a_missing_rank_chain(chain: Path) -> None:
     shutil.rmtree(chain / "ranks" / "00001")
     assert_reported(chain, "rank 1's chain is missing", "ranks/00001")
