@@ -405,10 +405,15 @@ class WriterLock:
                 "Re-open the chain to continue"
             )
 
-    def release(self) -> None:
-        """Release by creating the next generation as ``released`` (if still the holder)."""
+    def release(self) -> bool:
+        """Release by creating the next generation as ``released`` (if still the holder).
+
+        Returns False when that write failed (the store is unreachable): the lock then stays
+        held by this process, which a later taker sees as live while it runs. Never raises:
+        a release runs on every way out, errors included.
+        """
         if self.released:
-            return
+            return True
         self.released = True
         marker = LockOwner(self.generation + 1, "released", None, None, None, self.owner.token)
         try:
@@ -416,7 +421,8 @@ class WriterLock:
         except FileExistsError:
             pass  # taken over meanwhile: nothing of ours to release
         except OSError:
-            pass  # the lock stays held by this (soon dead) process: the next writer takes it over
+            return False
+        return True
 
 
 def _read_lock(store: Store, generation: int, where: str) -> LockOwner:

@@ -277,12 +277,12 @@ def settle_lock(job: ChainSync) -> None:
     if lock is None:
         return
     if job.fenced:
-        # A release that fails (the store is down) leaves the lock held by this process, which
-        # is alive: remember it, so that the next sync here continues with it instead of
-        # finding the replica locked by a running writer (this process) until it exits.
-        with _UNFENCED_LOCK:
-            _RELEASING[job.dst_name] = lock
-        lock.release()
+        if not lock.release():
+            # The release failed (the store is down): the lock stays held by this process, which
+            # is alive. Remember it, so that the next sync here continues with it instead of
+            # finding the replica locked by a running writer (this process) until it exits.
+            with _UNFENCED_LOCK:
+                _RELEASING[job.dst_name] = lock
     else:
         # Taken over from a holder that may still run, and not fenced: the lock stays held,
         # so that whoever takes it next inherits the duty to fence (spec §17.5).
@@ -309,12 +309,14 @@ def _refuse_sharded_dst(dst: str | os.PathLike[str] | Store, options: dict[str, 
 #: instead of finding it held by a live process (this one).
 _UNFENCED: dict[str, WriterLock] = {}
 _UNFENCED_LOCK = threading.Lock()
-#: The lock this process released last, by replica (as messages name it): if that release
-#: failed, the replica's newest lock generation is still this one, held by this process.
+#: Locks this process failed to release, by replica (as messages name it): the replica's
+#: newest lock generation is still that one, held by this process.
 _RELEASING: dict[str, WriterLock] = {}
 
 
 def take_lock(dst: Store, where: str, break_lock: bool, wait_s: float) -> WriterLock:
+    """The replica's writer lock: this process's own when an earlier call here left it held
+    (not fenced, or not released), else taken as any writer takes it."""
     owner = current_lock(dst, where)
     if owner is not None:
         with _UNFENCED_LOCK:
@@ -337,7 +339,7 @@ def take_lock(dst: Store, where: str, break_lock: bool, wait_s: float) -> Writer
 
 
 def open_location(location: str | os.PathLike[str] | Store, options: dict[str, Any] | None,
-          create: bool) -> tuple[Store, str]:
+                  create: bool) -> tuple[Store, str]:
     if isinstance(location, Store):
         if options:
             raise UsageError("sync: storage options apply to a location, not to a Store object")
@@ -368,6 +370,7 @@ def describe_store(store: Store) -> str:
 
 
 def same_location(a: Store, b: Store) -> bool:
+    """Whether the two stores are one location (a sync onto its own source is refused)."""
     while isinstance(a, FaultyStore):
         a = a.inner
     while isinstance(b, FaultyStore):
