@@ -34,6 +34,9 @@ class Position:
 
 def main() -> None:
     rank, world, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    # "xor/epoch": a scheduler given to the Checkpointer but stepped every 3 steps only, so that
+    # rank 0 finalizes a step at the next step's pre-hook, after the next step's all-reduce.
+    mode, per_epoch = mode.split("/")[0], mode.endswith("/epoch")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(0)
@@ -42,8 +45,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(1000 + rank)  # each rank its own dropout stream
     position = Position(rank)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9) if per_epoch else None
     ck = ldformat.Checkpointer(f"{out}/chain", ddp, optimizer, mode=mode, anchor_every=3, batch_steps=2,
-                               data=position)
+                               data=position, scheduler=scheduler)
     states = []
     mine = [(torch.get_rng_state(), position.state_dict())]
     for step in range(1, 8):
@@ -52,6 +56,8 @@ def main() -> None:
         ddp(x).square().mean().backward()
         position.seen += 4
         optimizer.step()
+        if scheduler is not None and step % 3 == 0:
+            scheduler.step()
         states.append(({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(optimizer.state_dict())))
         mine.append((torch.get_rng_state(), position.state_dict()))
     print(f"rank {rank} closed {ck.close()}", flush=True)

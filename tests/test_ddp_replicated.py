@@ -32,7 +32,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("mode", ["xor", "lowdiff+"])
+@pytest.mark.parametrize("mode", ["xor", "lowdiff+", "xor/epoch"])
 def test_every_rank_constructs_and_rank_0_records_once(tmp_path: Path, mode: str) -> None:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(tmp_path), mode], env=env,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..captured import nested_step
+from ..errors import LdformatError
 from ..topk import TopK
 from .extra import Stateful
 from .hooks import call_after
@@ -137,8 +138,6 @@ def announce_start(group: dist.ProcessGroup | None, step: int | None, anchor_eve
 def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int | None]:
     """A peer's side of :func:`announce_start`: rank 0's start step and ``anchor_every``
     (None when rank 0's is automatic)."""
-    from ..errors import LdformatError
-
     box: list[object] = [None, None, None]
     dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
     failed, step, anchor_every = box
@@ -148,9 +147,10 @@ def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int | None]:
     return step, anchor_every
 
 
-#: How long a rank waits in the per-step exchange of extra state (a rank that died, or a loop
-#: that stopped stepping on one rank only, is reported after this instead of hanging).
-EXTRAS_TIMEOUT_S = 600.0
+#: How long a rank waits for the others in the exchange of extra state: when the Checkpointers
+#: are constructed (a rank that constructs none is reported after this instead of hanging),
+#: and at each step (a rank that died, or stopped stepping).
+EXTRAS_TIMEOUT_S = 300.0
 
 
 class RankExtras:
@@ -165,13 +165,23 @@ class RankExtras:
         self.rank = dist.get_rank(group)
         self.world = len(members)
         self.dst = members[0]
-        self.group = dist.new_group(ranks=members, backend="gloo", timeout=timedelta(seconds=EXTRAS_TIMEOUT_S),
-                                    use_local_synchronization=True)
+        try:
+            self.group = dist.new_group(ranks=members, backend="gloo",
+                                        timeout=timedelta(seconds=EXTRAS_TIMEOUT_S), use_local_synchronization=True)
+        except (RuntimeError, dist.DistError) as e:
+            raise LdformatError(
+                f"the data-parallel ranks {members} did not all construct a Checkpointer within "
+                f"{EXTRAS_TIMEOUT_S:g} s ({e}); with data parallelism every rank constructs it, with the same "
+                "arguments") from None
 
-    def exchange(self, rng: dict[str, object], data: object) -> dict[str, dict[str, object]] | None:
+    def exchange(self, rng: dict[str, object] | None, data: object) -> dict[str, dict[str, object]] | None:
         """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank."""
         gathered: list[object] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object({"rng": rng, "data": data}, gathered, dst=self.dst, group=self.group)
+        try:
+            dist.gather_object({"rng": rng or {}, "data": data}, gathered, dst=self.dst, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise LdformatError(f"data-parallel rank {self.rank}: the exchange of RNG states and data positions "
+                                f"with the other ranks failed ({e}); a rank died, or stopped stepping") from None
         if gathered is None:
             return None
         out: dict[str, dict[str, object]] = {}

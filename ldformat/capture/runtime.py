@@ -90,6 +90,9 @@ class _Pending:
     optimizer: JSON = None  # xor: the optimizer structure after the step (spec §8.2)
     post_done: bool = False
     pre_end: float = 0.0
+    # Data parallel, exchanged when the step ends (before any collective of the next step):
+    ranks: dict[str, dict[str, object]] | None = None  # the other ranks' RNG states and data positions
+    peer_residuals: dict[str, torch.Tensor] | None = None  # 'lowdiff' anchors: the other ranks' residuals
 
 
 class Checkpointer:
@@ -154,7 +157,8 @@ class Checkpointer:
             environment variables (see :class:`~ldformat.stores.ObjectStore`).
         process_group: the group of the data-parallel or sharded job (default: the default
             group). With replicated parameters (DDP) in ``xor`` and ``lowdiff+``, every rank
-            may construct the Checkpointer: rank 0 records the state every rank holds alike,
+            constructs the Checkpointer (a collective: a rank that does not makes the others
+            fail after 5 minutes, before anything is written): rank 0 records the state every rank holds alike,
             once, and the others send rank 0 their own RNG states and data position every
             step (one gather on a gloo side group), recorded as ``extra["ranks"]`` for
             ``resume`` to restore per rank. Data-parallel ``lowdiff`` (docs/capture-runtime.md "Data-parallel
@@ -501,6 +505,15 @@ class Checkpointer:
         pending.rng = capture_rng()
         pending.data = self._data_state()
         pending.post_done = True
+        # The other ranks join these as their step ends too (ResidualPeer), in this order. Here,
+        # not at _finalize, which a scheduler stepped per epoch delays to the next step's
+        # pre-hook, after the next step's collectives: the peers would wait for rank 0 there,
+        # and rank 0 for them in those collectives.
+        if self.world_size > 1 and self.compressor is not None and (
+                pending.step - self._last_anchor >= self.anchor_every):
+            pending.peer_residuals = peer_residual_tensors(self.compressor, self._param_names, self.process_group)
+        if self._rank_extras is not None:
+            pending.ranks = self._rank_extras.exchange(pending.rng, pending.data)
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if nested_step(optimizer):
@@ -561,8 +574,8 @@ class Checkpointer:
         anchor_tensors, structure = None, pending.optimizer
         if anchor and (self.mode == "lowdiff" or live_anchor):
             anchor_tensors, structure = self.writer.snapshot_anchor()
-            if self.world_size > 1 and self.compressor is not None:
-                anchor_tensors.update(peer_residual_tensors(self.compressor, self._param_names, self.process_group))
+            if pending.peer_residuals is not None:
+                anchor_tensors.update(pending.peer_residuals)
         captured = CapturedStep(
             step=step,
             stepped=pending.stepped,
@@ -577,8 +590,8 @@ class Checkpointer:
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
         self.stager.mark(pending.buffers)
-        ranks = self._rank_extras.exchange(pending.rng or {}, pending.data) if self._rank_extras else None
-        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, ranks), pending.buffers))
+        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, pending.ranks),
+                                    pending.buffers))
         self._step = step
         if anchor:
             self._last_anchor = step

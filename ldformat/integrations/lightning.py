@@ -287,8 +287,8 @@ class LdformatCheckpoint(Callback):
     # -- hooks ----------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and trainer.world_size > 1:
-            raise UsageError("LdformatCheckpoint records one process (devices=1); data-parallel training needs "
-                             "ldformat.Checkpointer(mode='lowdiff') with a ResidualPeer on every other rank")
+            raise UsageError("LdformatCheckpoint records one process (devices=1); for data-parallel training, "
+                             "construct ldformat.Checkpointer with the same arguments on every rank")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._pending = None
