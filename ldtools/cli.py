@@ -1114,7 +1114,9 @@ def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_ever
             dry_run: bool, as_json: bool, show_progress: bool | None) -> None:
     """Fold delta runs into anchors, apply retention and remove garbage.
 
-    Crash-safe and idempotent; every step that stays materializes bit-identically.
+    Crash-safe and idempotent; every step that stays materializes bit-identically. A sharded
+    chain is compacted under every rank chain's lock with one plan, so that every rank chain
+    keeps the same steps (spec section 20.8); one rank's chain on its own is refused (exit 2).
 
     Example: ldtools compact runs/chain --max-replay 50 --keep-last 200 --keep-every 1000
     """
