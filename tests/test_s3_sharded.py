@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from bitwise import bits
 from click.testing import CliRunner
 
 import ldformat
@@ -45,16 +46,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
     pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning"),
 ]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers (so that -0.0 and NaN payloads count)."""
-    t = t.detach().contiguous()
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    if t.is_floating_point():
-        return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t
 
 
 def same(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
