@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -34,5 +35,7 @@ def assert_same(got: Any, want: Any, where: str = "state") -> None:
         assert type(got) is type(want) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
         for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and math.isnan(want):
+        assert isinstance(got, float) and math.isnan(got), f"{where}: {got!r} is not nan"
     else:
         assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import json
-import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -20,8 +19,9 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from bitwise import assert_same
 from click.testing import CliRunner, Result
-from models import TinyNet, assert_state_bits_equal, bits, snapshot, train_step
+from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, TopK
@@ -60,28 +60,6 @@ def one_line_error(result: Result) -> str:
     return lines[0]
 
 
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    """Deep, bitwise equality of nested dicts/lists/tensors (tensors compared as integers).
-
-    Dict key order is not compared (see test_materialize_is_deterministic for why).
-    """
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), f"{where}: {type(got)} is not a tensor"
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{tuple(got.shape)}"
-        assert torch.equal(bits(got), bits(want)), f"{where}: bits differ"
-    elif isinstance(want, dict):
-        assert isinstance(got, dict), f"{where}: {type(got)} is not a dict"
-        assert sorted(got, key=repr) == sorted(want, key=repr), f"{where}: keys {list(got)} != {list(want)}"
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert type(got) is type(want) and len(got) == len(want), f"{where}: {got!r} != {want!r}"
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            assert_same(g, w, f"{where}[{i}]")
-    elif isinstance(want, float) and math.isnan(want):
-        assert isinstance(got, float) and math.isnan(got), f"{where}: {got!r} is not nan"
-    else:
-        assert type(got) is type(want) and got == want, f"{where}: {got!r} != {want!r}"
 
 
 def training_state(state: dict[str, Any]) -> dict[str, Any]:
