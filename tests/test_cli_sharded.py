@@ -510,7 +510,13 @@ def test_a_job_opens_the_chain_only_holding_every_rank_lock(chain_copy: Path) ->
     try:
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
         procs = [run_maker(["make", str(r), str(WORLD), str(chain_copy.parent), "2"], env) for r in range(WORLD)]
-        outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+        try:
+            outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+        finally:
+            for p in procs:  # never leave a rank behind, whatever happened
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     finally:
         held.release()
     for out, p in zip(outputs, procs, strict=True):
