@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .anchor import decode_anchor
-from .checks import check_anchor, residual_rank, tensor_metas
+from .checks import check_anchor, check_extra, residual_rank, tensor_metas
 from .delta import DecodedBatch, RowDecoder, check_slots, decode_batch
 from .environment import differences
 from .errors import (
@@ -232,6 +232,13 @@ class ChainReader:
                 result["compressor_ranks"] = {0: ranks.get(0, {}), **dict(sorted(ranks.items()))}
             result["compressor"] = ranks.get(0, {})
         return result
+
+    def extra(self, step: int | None = None) -> dict[Any, Any]:
+        """The ``extra`` of ``step`` (spec §19), from the log alone: no object is read."""
+        step = self._check_step(step)
+        anchor = self.state.anchors.get(step)
+        encoded = anchor.extra if anchor is not None else self.state.deltas[step][1].extra
+        return check_extra(encoded, f"{self.path} (step {step})")
 
     def stored_tensors(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """The tensors of ``step``'s state under their stored names (spec §8), as replay holds

@@ -278,7 +278,7 @@ class _ShardedSync:
     def lock_ranks(self, break_lock: bool, lock_wait: float) -> None:
         """Take every rank chain's writer lock, in rank order (spec §20.3.1: commit records are
         created by a maintainer that holds them all)."""
-        for r, job in enumerate(self.jobs):
+        for r, job in zip(self.root.chain_ranks, self.jobs, strict=True):
             try:
                 job.lock = take_lock(job.dst, job.dst_name, break_lock, lock_wait)
             except ChainLockedError as e:
@@ -536,8 +536,8 @@ def sync_sharded(src: str | os.PathLike[str] | Store, src_store: Store, src_name
         raise CorruptChainError(f"{src_name}: holds both {SHARDED_ROOT} and {ROOT_FILE} (spec §20.1)")
     if not isinstance(dst, Store) and not is_sharded_location(dst, dst_options):
         refuse_sharded(dst, None, dst_options, "synced into")  # one rank's chain of a sharded chain
-    sources = []
-    for r in range(root.world_size):  # every rank chain readable before the replica is touched
+    sources = {}
+    for r in root.chain_ranks:  # every rank chain readable before the replica is touched (copy ranks have none)
         store, name = _rank_store(src, src_store, src_name, r, src_options)
         try:
             reader = ChainReader(name, store=store)
@@ -547,7 +547,7 @@ def sync_sharded(src: str | os.PathLike[str] | Store, src_store: Store, src_name
         data = read_bounded(store, ROOT_FILE, MAX_ROOT_BYTES, f"{name}/{ROOT_FILE}")
         if RootMetadata.from_bytes(data, f"{name}/{ROOT_FILE}").chain_id != reader.root.chain_id:
             raise CorruptChainError(f"{name}/{ROOT_FILE}: the root changed while it was read; sync again")
-        sources.append((reader, data))
+        sources[r] = (reader, data)
     dst_store, dst_name = open_location(dst, dst_options, create=True)
     if same_location(src_store, dst_store):
         raise UsageError(f"{dst_name}: the destination is the source {src_name}; sync to another location")
@@ -556,7 +556,7 @@ def sync_sharded(src: str | os.PathLike[str] | Store, src_store: Store, src_name
                          "the same kind of chain as its source: sync to a new location")
     report = SyncReport(src=src_name, dst=dst_name, sharded=True, world_size=root.world_size)
     jobs = []
-    for r, (reader, data) in enumerate(sources):
+    for r, (reader, data) in sources.items():
         store, name = _rank_store(dst, dst_store, dst_name, r, dst_options)
         jobs.append(ChainSync(reader, data, store, name, SyncReport(src=reader.path, dst=name), progress, workers))
     job = _ShardedSync(src_store, src_name, root_bytes, root, dst_store, dst_name, jobs, report, progress)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +33,8 @@ SHARDED_ROOT = "sharded.json"
 SHARDED_FORMAT = "ldformat-sharded"
 COMMIT_FORMAT = "ldformat-sharded-commit"
 SHARDED_VERSION = "1.3"
+#: A sharded root with ``copies`` (copy ranks, spec §20.2) is format 1.4: 1.3 readers refuse the member.
+COPIES_VERSION = "1.4"
 COMMITS_DIR = "commits"
 RANKS_DIR = "ranks"
 MAX_SHARDED_ROOT_BYTES = 16 << 20
@@ -118,6 +120,17 @@ class ShardedRoot:
     dim_names: tuple[str, ...] | None
     tensors: dict[str, Layout]
     format_version: str = SHARDED_VERSION
+    #: Copy ranks (spec §20.2 ``copies``): rank -> the lower rank whose rank chain holds its state.
+    copies: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def chain_ranks(self) -> list[int]:
+        """The ranks that have a rank chain: every rank but the copy ranks, in increasing order."""
+        return [r for r in range(self.world_size) if r not in self.copies]
+
+    def source(self, rank: int) -> int:
+        """The rank whose rank chain holds ``rank``'s model and optimizer state."""
+        return self.copies.get(rank, rank)
 
     def to_bytes(self) -> bytes:
         import json
@@ -133,6 +146,8 @@ class ShardedRoot:
                      "dim_names": None if self.dim_names is None else list(self.dim_names)},
             "tensors": {n: lay.to_dict() for n, lay in sorted(self.tensors.items())},
         }
+        if self.copies:
+            doc["copies"] = {str(r): s for r, s in sorted(self.copies.items())}
         return json.dumps(with_checksum(doc), sort_keys=True, indent=1, allow_nan=False).encode() + b"\n"
 
     @classmethod
@@ -146,7 +161,7 @@ class ShardedRoot:
             raise CorruptChainError(f"{where}: format_version {version!r} is not a sharded format (1.3 or later)")
         verify_checksum(d, where)
         check_fields(d, {"format", "format_version", "chain_id", "created", "kind", "world_size", "mesh",
-                          "tensors", "checksum"}, where)
+                          "tensors", "checksum", *(["copies"] if int(m.group(1)) >= 4 else [])}, where)
         kind = require(d, "kind", str, where)
         if kind not in KINDS:
             raise CorruptChainError(f"{where}: unknown delta kind {kind!r}")
@@ -167,10 +182,54 @@ class ShardedRoot:
         for name in tensors:
             if not name.startswith("model/"):
                 raise CorruptChainError(f"{where}: tensors[{name!r}] is not a model tensor name (model/<FQN>)")
+        copies = _copies(d.get("copies", {}), world, tensors, where) if "copies" in d else {}
         return cls(chain_id=require(d, "chain_id", str, where), created=require(d, "created", str, where),
                    kind=kind, world_size=world, mesh_shape=shape,
                    dim_names=None if names is None else tuple(str(n) for n in names), tensors=tensors,
-                   format_version=version)
+                   format_version=version, copies=copies)
+
+
+def copy_ranks(world: int, tensors: Mapping[str, Layout]) -> dict[int, int]:
+    """The copy ranks of a layout (spec §20.2 ``copies``): each rank whose block of every laid-out
+    tensor equals that of a lower rank, mapped to the lowest such rank. Without laid-out tensors
+    no rank is a copy (nothing tells the ranks apart, and nothing says they hold the same state)."""
+    if not tensors:
+        return {}
+    first: dict[tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], int] = {}
+    out = {}
+    for r in range(world):
+        blocks = []
+        for name in sorted(tensors):
+            shard = tensors[name].of_rank(r)
+            assert shard is not None  # layout rule 2: one shard per rank
+            blocks.append((shard.offsets, shard.lengths))
+        s = first.setdefault(tuple(blocks), r)
+        if s != r:
+            out[r] = s
+    return out
+
+
+def _copies(v: JSON, world: int, tensors: Mapping[str, Layout], where: str) -> dict[int, int]:
+    """Parse and check ``copies`` (spec §20.2): rank ``r`` -> a lower rank ``s`` that is no copy
+    itself, whose block of every laid-out tensor is ``r``'s."""
+    if not isinstance(v, dict) or not v or not tensors:
+        raise CorruptChainError(f"{where}: copies must be a non-empty object (rank -> source rank), "
+                                "and needs laid-out tensors")
+    out = {}
+    for key, src in v.items():
+        if not re.fullmatch(r"0|[1-9]\d*", key) or not isinstance(src, int) or isinstance(src, bool):
+            raise CorruptChainError(f"{where}: copies[{key!r}] must map a decimal rank to a rank")
+        out[int(key)] = src
+    for r, src in sorted(out.items()):
+        if not 0 <= src < r < world or src in out:
+            raise CorruptChainError(f"{where}: copies[{str(r)!r}] = {src}: a copy rank's source must be a lower "
+                                    f"rank of the world of {world} that is no copy itself")
+        for name, layout in sorted(tensors.items()):
+            a, b = layout.of_rank(r), layout.of_rank(src)
+            if a is None or b is None or (a.offsets, a.lengths) != (b.offsets, b.lengths):
+                raise CorruptChainError(f"{where}: copies[{str(r)!r}] = {src}, but the ranks hold different "
+                                        f"blocks of {name}")
+    return out
 
 
 def _product(shape: tuple[int, ...]) -> int:
@@ -321,15 +380,16 @@ class ShardedReader:
         if self.store.exists("ldformat.json"):
             raise CorruptChainError(f"{self.path}: holds both {SHARDED_ROOT} and ldformat.json (spec §20.1)")
         self.commit = newest_commit(self.store, self.path)
-        self.ranks = []
-        for r in range(self.root.world_size):
+        #: The rank chains, by rank: every rank but the copy ranks (spec §20.2 ``copies``).
+        self.ranks: dict[int, ChainReader] = {}
+        for r in self.root.chain_ranks:
             location = rank_location(self._location, r)
             try:
-                self.ranks.append(ChainReader(location, storage_options=self._options))
+                self.ranks[r] = ChainReader(location, storage_options=self._options)
             except NotAChainError as e:
                 raise CorruptChainError(f"{location}: rank {r}'s chain of the sharded chain {self.path} is "
                                         f"missing or unreadable ({e})") from None
-        for r, reader in enumerate(self.ranks):
+        for r, reader in self.ranks.items():
             if reader.kind != self.root.kind:
                 raise CorruptChainError(f"{reader.path}: rank {r}'s chain has kind {reader.kind}, "
                                         f"the sharded chain {self.root.kind}")
@@ -361,7 +421,7 @@ class ShardedReader:
         if self.commit is None:
             return []
         common = set(self.ranks[0].steps)
-        for reader in self.ranks[1:]:
+        for reader in self.ranks.values():
             common &= set(reader.steps)
         return sorted(s for s in common if s <= self.commit.step)
 
@@ -375,12 +435,12 @@ class ShardedReader:
         """Steps that are an anchor in every rank chain."""
         steps = set(self.steps)
         common = set(self.ranks[0].anchors)
-        for reader in self.ranks[1:]:
+        for reader in self.ranks.values():
             common &= set(reader.anchors)
         return sorted(common & steps)
 
     def bytes_on_disk(self) -> int:
-        return sum(r.bytes_on_disk() for r in self.ranks)
+        return sum(r.bytes_on_disk() for r in self.ranks.values())
 
     def check_step(self, step: int | None) -> int:
         steps = self.steps
@@ -397,16 +457,20 @@ class ShardedReader:
 
     def materialize_ranks(self, step: int | None = None, progress: Callable[[int, int], None] | None = None,
                           ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
-        """Each rank's own state at ``step`` (local shards), as :meth:`ChainReader.materialize`
-        gives it, for every rank or for ``ranks``, in that order."""
-        wanted = list(range(self.world_size)) if ranks is None else list(ranks)
+        """Each rank chain's state at ``step`` (local shards), as :meth:`ChainReader.materialize`
+        gives it, for every rank chain or for ``ranks``, in that order; a copy rank's is its
+        source's (spec §20.2 ``copies``), read once."""
+        wanted = self.root.chain_ranks if ranks is None else list(ranks)
         for _attempt in range(READ_ATTEMPTS):
             target = self.check_step(step)
-            out = []
+            read: dict[int, dict[str, Any]] = {}
             for n, r in enumerate(wanted, 1):
-                out.append(self.ranks[r].materialize(target))
+                src = self.root.source(r)
+                if src not in read:
+                    read[src] = self.ranks[src].materialize(target)
                 if progress is not None:
                     progress(n, len(wanted))
+            out = [read[self.root.source(r)] for r in wanted]
             if not self.truncated_since(target):
                 return out
             self.refresh()
@@ -423,9 +487,34 @@ class ShardedReader:
         ``extra`` is rank 0's and ``rank_extra`` every rank's (RNG states, data position).
         """
         step = self.check_step(step)
-        parts = self.materialize_ranks(step, progress)
-        return assemble_state(self.root, dict(enumerate(parts)), f"{self.path} (step {step})",
-                              self.ranks[0].root.schema)
+        parts = self.materialize_ranks(step, progress, ranks=range(self.world_size))  # a copy rank's: its source's
+        state = assemble_state(self.root, dict(enumerate(parts)), f"{self.path} (step {step})",
+                               self.ranks[0].root.schema)
+        state["rank_extra"] = [extra_of_rank(state["extra"], r) if r in self.root.copies else own
+                               for r, own in enumerate(state["rank_extra"])]
+        return state
+
+    def extra_of(self, rank: int, step: int) -> dict[str, Any] | None:
+        """Rank ``rank``'s ``extra`` at ``step`` (spec §20.6): its rank chain's, or, for a copy
+        rank, rank chain 0's with that rank's RNG states and data position (None when rank
+        chain 0 does not hold them)."""
+        if rank in self.ranks:
+            return self.ranks[rank].extra(step)
+        return extra_of_rank(self.ranks[0].extra(step), rank)
+
+
+def extra_of_rank(extra: Mapping[str, Any], rank: int) -> dict[str, Any] | None:
+    """``extra`` (rank 0's) with rank ``rank``'s RNG states and data position from its ``ranks``
+    member (spec §19.1), as that rank's own; None when ``ranks`` does not hold the rank."""
+    ranks = extra.get("ranks")
+    mine = ranks.get(str(rank)) if isinstance(ranks, dict) else None
+    if not isinstance(mine, dict):
+        return None
+    out = dict(extra)
+    if "rng" in mine:
+        out["rng"] = mine["rng"]
+    out["data"] = mine.get("data")
+    return out
 
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]
@@ -510,10 +599,10 @@ def _residual(root: ShardedRoot, name: str, pieces: list[torch.Tensor], where: s
     return assemble(layout, shaped, f"{where} compressor/{name}").reshape(-1)
 
 
-def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Sequence[Mapping[str, torch.Tensor]]
+def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Mapping[int, Mapping[str, torch.Tensor]]
                      ) -> list[str]:
-    """What differs between the ranks' stored tensors of one step (spec §20.7 checks 4 and 5):
-    names and dtypes, overlapping blocks of laid-out tensors, replicated tensors."""
+    """What differs between the rank chains' stored tensors of one step, by rank (spec §20.7
+    checks 4 and 5): names and dtypes, overlapping blocks of laid-out tensors, replicated tensors."""
     from .state import bits_view
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -521,20 +610,23 @@ def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Sequ
                                                                          bits_view(b.contiguous()))
 
     problems = []
-    names = {n for n in tensors[0] if not n.startswith(("compressor/", "optimizer/ref/"))}
-    for r, t in enumerate(tensors[1:], start=1):
+    base = tensors[0]
+    names = {n for n in base if not n.startswith(("compressor/", "optimizer/ref/"))}
+    for r, t in tensors.items():
+        if r == 0:
+            continue
         mine = {n for n in t if not n.startswith(("compressor/", "optimizer/ref/"))}
         if mine != names:
             problems.append(f"rank {r} stores other tensors than rank 0 ({sorted(mine ^ names)[0]})")
         for n in mine & names:
-            if t[n].dtype != tensors[0][n].dtype:
-                problems.append(f"rank {r} stores {n} as {t[n].dtype}, rank 0 as {tensors[0][n].dtype}")
+            if t[n].dtype != base[n].dtype:
+                problems.append(f"rank {r} stores {n} as {t[n].dtype}, rank 0 as {base[n].dtype}")
     params: list[str] = list(schema["optimizer"]["params"])
     for name in sorted(names):
-        pieces = [t.get(name) for t in tensors]
-        if any(p is None for p in pieces):
+        pieces = {r: t.get(name) for r, t in tensors.items()}
+        if any(p is None for p in pieces.values()):
             continue
-        by_rank = {r: p for r, p in enumerate(pieces) if p is not None}
+        by_rank = {r: p for r, p in pieces.items() if p is not None}
         layout = root.tensors.get(name)
         if name.startswith("optimizer/"):
             index = name.split("/")[1]

@@ -32,26 +32,26 @@ Progress = Callable[[str, int, int], None]
 
 @contextlib.contextmanager
 def every_rank_locked(path: str | os.PathLike[str], storage_options: dict[str, Any] | None, *,
-                      break_lock: bool, lock_wait: float) -> Iterator[list[tuple[ChainReader, WriterLock]]]:
+                      break_lock: bool, lock_wait: float) -> Iterator[dict[int, tuple[ChainReader, WriterLock]]]:
     """Hold every rank chain's writer lock, each rank chain folded under it (a takeover fences
-    that rank chain). If one lock is held by a live writer, the locks already taken are
-    released and :class:`ChainLockedError` names that rank chain."""
+    that rank chain), by rank (copy ranks have none). If one lock is held by a live writer,
+    the locks already taken are released and :class:`ChainLockedError` names that rank chain."""
     where = chain_name(path, None)
     root = read_sharded_root(open_store(path, None, storage_options), where)
-    held: list[tuple[ChainReader, WriterLock]] = []
+    held: dict[int, tuple[ChainReader, WriterLock]] = {}
     try:
-        for r in range(root.world_size):
+        for r in root.chain_ranks:
             reader = ChainReader(rank_location(path, r), storage_options=storage_options)
             try:
                 lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
             except ChainLockedError as e:
                 raise ChainLockedError(f"{e}; rank {r}'s chain is in use, so the sharded chain {where} is "
                                        "unchanged") from None
-            held.append((reader, lock))
+            held[r] = (reader, lock)
             reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
         yield held
     finally:
-        for _, lock in reversed(held):
+        for _, lock in reversed(held.values()):
             lock.release()
 
 
@@ -72,12 +72,12 @@ def truncate_sharded(path: str | os.PathLike[str], after: int, *, break_lock: bo
             raise StepNotFoundError(f"{where}: step {after} is not a committed step of the sharded chain "
                                     f"(latest {chain.latest_step}); nothing was changed")
         removed = [s for s in chain.steps if s > after]
-        if all(reader.state.latest_step == after for reader, _ in held) and chain.commit is not None \
+        if all(reader.state.latest_step == after for reader, _ in held.values()) and chain.commit is not None \
                 and chain.commit.step == after:
             return removed  # nothing above it anywhere: nothing to change, no record to add
         held[0][1].check()  # rule L: rank chain 0's lock is still ours
         create_commit(chain.store, where, after, newest_commit(chain.store, where))  # rule X
-        for reader, lock in held:
+        for reader, lock in held.values():
             truncate_locked(reader, lock, after)
         return removed
 
@@ -98,8 +98,8 @@ def compact_sharded(path: str | os.PathLike[str], *, max_replay: int | None = No
         raise UsageError("max_replay must be >= 0")
     if dry_run:
         chain = ShardedReader(path, storage_options=storage_options)
-        plans = [_compact(reader, None, max_replay, None, None, None, kept=_kept(chain, keep_last, keep_every))
-                 for reader in chain.ranks]
+        plans = {r: _compact(reader, None, max_replay, None, None, None, kept=_kept(chain, keep_last, keep_every))
+                 for r, reader in chain.ranks.items()}
         plan = _sum_up(chain.steps, plans)
         _stale_uploads(chain.store, storage_options, plan, abort=False)
         return plan
@@ -108,9 +108,8 @@ def compact_sharded(path: str | os.PathLike[str], *, max_replay: int | None = No
         kept = _kept(chain, keep_last, keep_every)
         aborted = CompactionPlan()
         _stale_uploads(chain.store, storage_options, aborted, abort=True)  # before this writes anything
-        plans = []
-        for r, (reader, lock) in enumerate(held):
-            plans.append(_compact(reader, lock, max_replay, None, None, _for_rank(progress, r, len(held)), kept=kept))
+        plans = {r: _compact(reader, lock, max_replay, None, None, _for_rank(progress, r, len(held)), kept=kept)
+                 for r, (reader, lock) in held.items()}
         plan = _sum_up(chain.steps, plans)
         plan.aborted_uploads, plan.uploads_problem = aborted.aborted_uploads, aborted.uploads_problem
         return plan
@@ -132,14 +131,15 @@ def _for_rank(progress: Progress | None, rank: int, world: int) -> Progress | No
 _STAGES = {"anchors": "writing anchors"}
 
 
-def _sum_up(committed: list[int], plans: list[CompactionPlan]) -> CompactionPlan:
+def _sum_up(committed: list[int], by_rank: dict[int, CompactionPlan]) -> CompactionPlan:
     """One plan for the sharded chain: the steps are the same in every rank chain's plan."""
+    plans = list(by_rank.values())
     out = CompactionPlan(ranks=plans)
     out.kept_steps = list(plans[0].kept_steps) if plans else []
     out.dropped_steps = sorted(s for s in committed if s not in set(out.kept_steps))
     out.new_anchors = sorted({s for p in plans for s in p.new_anchors})
     out.dropped_anchors = sorted({s for p in plans for s in p.dropped_anchors})
     out.merged_deltas = sorted({m for p in plans for m in p.merged_deltas})
-    out.removed_objects = [f"{RANKS_DIR}/{r:05d}/{o}" for r, p in enumerate(plans) for o in p.removed_objects]
+    out.removed_objects = [f"{RANKS_DIR}/{r:05d}/{o}" for r, p in by_rank.items() for o in p.removed_objects]
     out.committed = any(p.committed for p in plans)
     return out

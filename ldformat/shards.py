@@ -135,12 +135,14 @@ def overlapping(layout: Layout, region: tuple[Sequence[int], Sequence[int]] | No
 
 
 def overlaps_differ(layout: Layout, pieces: Mapping[int, torch.Tensor]) -> list[int]:
-    """The ranks whose piece differs, where it overlaps, from a piece listed before it."""
+    """The ranks whose piece differs, where it overlaps, from a piece listed before it (ranks
+    without a piece, such as copy ranks, are skipped)."""
     from .state import bits_view
 
     differ = []
-    for j, b in enumerate(layout.shards):
-        for a in layout.shards[:j]:
+    shards = [s for s in layout.shards if s.rank in pieces]
+    for j, b in enumerate(shards):
+        for a in shards[:j]:
             lo = [max(x, y) for x, y in zip(a.offsets, b.offsets, strict=True)]
             hi = [min(x + m, y + n) for x, m, y, n in zip(a.offsets, a.lengths, b.offsets, b.lengths, strict=True)]
             if any(h <= low for low, h in zip(lo, hi, strict=True)):

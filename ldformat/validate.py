@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -191,7 +191,7 @@ def _sharded_heads(path: str | os.PathLike[str], store: Store,
     try:
         root = read_sharded_root(store, chain_name(path, None))
         heads: list[object] = [commit_numbers(store)[-1:]]
-        for r in range(root.world_size):
+        for r in root.chain_ranks:
             heads.append(_log_head(open_store(rank_location(path, r), None, storage_options)))
         return heads
     except (OSError, LdformatError):
@@ -227,8 +227,8 @@ def _validate_sharded_once(path: str | os.PathLike[str], store: Store, deep: boo
                                     "unfinished creation, spec §20.3.3); a writer of the same layout continues it")
     except Exception as e:
         problem(f"{where}/{COMMITS_DIR}", None, e)
-    readers: list[ChainReader | None] = []
-    for r in range(root.world_size):
+    readers: dict[int, ChainReader | None] = {}
+    for r in root.chain_ranks:  # copy ranks have no chain (spec §20.2 ``copies``)
         location = rank_location(path, r)
         try:
             sub = validate(location, deep=deep, progress=progress, storage_options=storage_options)
@@ -238,27 +238,27 @@ def _validate_sharded_once(path: str | os.PathLike[str], store: Store, deep: boo
             if reader.kind != root.kind:
                 raise CorruptChainError(f"{location}: rank {r}'s chain has kind {reader.kind}, "
                                         f"the sharded chain {root.kind}")
-            readers.append(reader)
+            readers[r] = reader
         except NotAChainError as e:
             if commits:  # an unfinished creation (reported above) may lack rank chains still being created
                 report.problems.append(Problem(location, None, f"rank {r}'s chain is missing ({_message(e)[1]})"))
-            readers.append(None)
+            readers[r] = None
         except Exception as e:
             problem(location, None, e)
-            readers.append(None)
-    _check_layout(root, [None if x is None else x.root.schema for x in readers], where, report)
-    if any(x is None for x in readers) or not commits:
+            readers[r] = None
+    _check_layout(root, {r: None if x is None else x.root.schema for r, x in readers.items()}, where, report)
+    if any(x is None for x in readers.values()) or not commits:
         return report
-    ranks = [x for x in readers if x is not None]
+    ranks = {r: x for r, x in readers.items() if x is not None}
     newest = commits[-1].step
-    committed = sorted(s for s in set.intersection(*(set(x.steps) for x in ranks)) if s <= newest)
+    committed = sorted(s for s in set.intersection(*(set(x.steps) for x in ranks.values())) if s <= newest)
     if newest not in committed:
-        lacking = [r for r, x in enumerate(ranks) if newest not in x.steps]
+        lacking = [r for r, x in ranks.items() if newest not in x.steps]
         report.problems.append(Problem(f"{where}/{commit_path(commits[-1].seq)}", newest,
                                        f"the committed step is missing from the chain of rank(s) {lacking}"))
     report.steps = len(committed)
     report.latest_step = committed[-1] if committed else None
-    report.anchors = sorted(set(committed).intersection(*(set(x.anchors) for x in ranks)))
+    report.anchors = sorted(set(committed).intersection(*(set(x.anchors) for x in ranks.values())))
     if not report.ok:
         return report
     compared = committed if deep else report.anchors
@@ -266,9 +266,9 @@ def _validate_sharded_once(path: str | os.PathLike[str], store: Store, deep: boo
     for n, step in enumerate(compared, 1):
         try:
             if step in report.anchors:
-                stored = [x.load_anchor_tensors(step) for x in ranks]
+                stored = {r: x.load_anchor_tensors(step) for r, x in ranks.items()}
             else:
-                stored = [x.stored_tensors(step) for x in ranks]
+                stored = {r: x.stored_tensors(step) for r, x in ranks.items()}
             for message in replica_problems(root, schema, stored):
                 report.problems.append(Problem(where, step, message))
         except Exception as e:
@@ -278,12 +278,12 @@ def _validate_sharded_once(path: str | os.PathLike[str], store: Store, deep: boo
     return report
 
 
-def _check_layout(root: ShardedRoot, schemas: list[dict[str, Any] | None], where: str,
+def _check_layout(root: ShardedRoot, schemas: Mapping[int, dict[str, Any] | None], where: str,
                   report: ValidationReport) -> None:
     """Each rank chain stores every split tensor with the shape and dtype the layout gives it."""
     first: list[str] | None = None
     first_names: list[object] | None = None
-    for r, schema in enumerate(schemas):
+    for r, schema in schemas.items():
         if schema is None:
             continue
         entries = {e.get("name"): e for e in schema.get("model", []) if isinstance(e, dict)}

@@ -478,7 +478,7 @@ def sharded_info(reader: ldformat.ShardedReader) -> dict[str, Any]:
     steps = reader.steps
     root = reader.root
     laid_out = sum(parse_dtype(lay.dtype).itemsize * _numel(lay.shape) for lay in root.tensors.values())
-    per_rank = [r.bytes_on_disk() for r in reader.ranks]
+    per_rank = [reader.ranks[r].bytes_on_disk() if r in reader.ranks else 0 for r in range(root.world_size)]
     total = sum(per_rank)
     full_bytes = full["bytes"] if full is not None else None
     return {
@@ -491,12 +491,13 @@ def sharded_info(reader: ldformat.ShardedReader) -> dict[str, Any]:
         "mesh": {"shape": list(root.mesh_shape), "dim_names": None if root.dim_names is None else list(root.dim_names)},
         "sharded_tensors": len(root.tensors),
         "sharded_model_bytes": laid_out,
+        "copies": {str(r): src for r, src in sorted(root.copies.items())},
         "steps": len(steps),
         "first_step": steps[0] if steps else None,
         "latest_step": reader.latest_step,
         "anchors": reader.anchors,
         "commits": len(commit_numbers(reader.store)),
-        "pending_steps": sorted({s for r in reader.ranks for s in r.steps} - set(steps)),
+        "pending_steps": sorted({s for r in reader.ranks.values() for s in r.steps} - set(steps)),
         "bytes_on_disk": total,
         "bytes_per_rank": per_rank,
         "full_checkpoint_bytes": full_bytes,
@@ -542,10 +543,15 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool, lag: dict[str, 
         _echo(f"pending      {len(pending)} step(s) some ranks hold beyond the last commit "
               f"({pending[0]}..{pending[-1]}); the next writer removes them")
     per_rank = data["bytes_per_rank"]
+    copies = {int(r): src for r, src in data["copies"].items()}
     if len(per_rank) <= RANKS_LISTED:
-        ranks = ", ".join(f"rank {r}: {human_bytes(n)}" for r, n in enumerate(per_rank))
+        ranks = ", ".join(f"rank {r}: copy of rank {copies[r]}" if r in copies else f"rank {r}: {human_bytes(n)}"
+                          for r, n in enumerate(per_rank))
     else:
-        ranks = f"per rank {human_bytes(min(per_rank))} .. {human_bytes(max(per_rank))}"
+        own = [n for r, n in enumerate(per_rank) if r not in copies]
+        ranks = f"per rank {human_bytes(min(own))} .. {human_bytes(max(own))}"
+        if copies:
+            ranks += f"; {len(copies)} copy ranks write none"
     _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  ({ranks})")
     full = data["full_checkpoint"]
     if data["full_checkpoint_bytes"] is not None:
@@ -762,6 +768,10 @@ def log(chain: str, as_json: bool, rank: int | None) -> None:
             return
         if rank >= opened.world_size:
             raise UsageError(f"{opened.path}: --rank {rank}: the sharded chain has ranks 0..{opened.world_size - 1}")
+        if rank in opened.root.copies:
+            raise UsageError(f"{opened.path}: --rank {rank}: rank {rank} is a copy of rank "
+                             f"{opened.root.copies[rank]} and has no chain of its own; pass --rank "
+                             f"{opened.root.copies[rank]}")
         _chain_log(opened.ranks[rank], as_json)
     elif rank is not None:
         parent = sharded_parent(chain)

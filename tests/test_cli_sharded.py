@@ -140,7 +140,7 @@ def test_info_json(chain: Path, reader: ldformat.ShardedReader) -> None:
     assert (data["steps"], data["first_step"], data["latest_step"]) == (STEPS + 1, 0, STEPS)
     assert data["anchors"] == reader.anchors and data["pending_steps"] == []
     assert data["commits"] == len(list((chain / "commits").glob("*.json"))) == len(read_commits(reader.store, "x"))
-    assert data["bytes_per_rank"] == [r.bytes_on_disk() for r in reader.ranks]
+    assert data["bytes_per_rank"] == [r.bytes_on_disk() for r in reader.ranks.values()]
     assert data["bytes_on_disk"] == sum(data["bytes_per_rank"]) == reader.bytes_on_disk()
     # The full-state size, measured from rank 0's chain and the layout, is that of the assembled state.
     full = reader.materialize(STEPS)

@@ -1,8 +1,9 @@
-"""Golden sharded chains of format 1.3 (spec §20, §3.4): every reader must read them bit for bit.
+"""Golden sharded chains of formats 1.3 and 1.4 (spec §20, §3.4): every reader must read them bit for bit.
 
-``tests/golden/1.3/`` holds sharded chains written by ``tests/golden/make_golden_sharded.py``
-(FSDP2, two ranks, one chain per kind) and, beside each, the full live state of every step,
-gathered from the shards while the chain was written. The tests never write into them.
+``tests/golden/<version>/`` holds sharded chains written by ``tests/golden/make_golden_sharded.py``
+(two ranks, one chain per kind: FSDP2 in 1.3; HSDP with a copy rank in 1.4) and, beside each,
+the full live state of every step, gathered from the shards while the chain was written. The
+tests never write into them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,17 @@ import torch
 
 import ldformat
 
-GOLDEN = Path(__file__).parent / "golden" / "1.3"
+GOLDEN_ROOT = Path(__file__).parent / "golden"
+VERSIONS = ("1.3", "1.4")
 SPEC_SCHEMAS = Path(__file__).parent.parent / "spec" / "schema"
-INDEX = json.loads((GOLDEN / "sharded.json").read_text())
-NAMES = sorted(INDEX["chains"])
+INDEXES = {v: json.loads((GOLDEN_ROOT / v / "sharded.json").read_text()) for v in VERSIONS}
+NAMES = [f"{v}/{name}" for v in VERSIONS for name in sorted(INDEXES[v]["chains"])]
+GOLDEN = GOLDEN_ROOT  # chains by "<version>/<name>"
+
+
+def info_of(name: str) -> dict[str, Any]:
+    version, chain = name.split("/")
+    return dict(INDEXES[version]["chains"][chain])
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -38,16 +46,24 @@ def load_expected(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
 
 
-def test_every_kind_has_a_sharded_golden_chain() -> None:
-    assert {c["kind"] for c in INDEX["chains"].values()} == set(ldformat.KINDS)
-    assert INDEX["format_version"] == "1.3"
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_kind_has_a_sharded_golden_chain(version: str) -> None:
+    index = INDEXES[version]
+    assert {c["kind"] for c in index["chains"].values()} == set(ldformat.KINDS)
+    assert index["format_version"] == version
+    for name in index["chains"]:
+        root = json.loads((GOLDEN_ROOT / version / name / "chain" / "sharded.json").read_text())
+        assert root["format_version"] == version
+        assert ("copies" in root) == (version == "1.4")  # 1.4: rank 1 is a copy of rank 0, and has no chain
+        assert sorted(p.name for p in (GOLDEN_ROOT / version / name / "chain" / "ranks").iterdir()) == (
+            ["00000"] if version == "1.4" else ["00000", "00001"])
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
 def test_materialize_every_step_bitwise(name: str) -> None:
     before = tree_digest(GOLDEN / name)
-    info = INDEX["chains"][name]
+    info = info_of(name)
     reader = ldformat.open_reader(GOLDEN / name / "chain")
     assert isinstance(reader, ldformat.ShardedReader)
     assert (reader.kind, reader.world_size, reader.steps, reader.anchors) == (
@@ -79,7 +95,7 @@ def test_materialize_every_step_bitwise(name: str) -> None:
 def test_validate_deep(name: str) -> None:
     report = ldformat.validate(GOLDEN / name / "chain", deep=True)
     assert report.ok, [str(p) for p in report.problems]
-    assert report.steps == len(INDEX["chains"][name]["steps"])
+    assert report.steps == len(info_of(name)["steps"])
 
 
 def _validator(schema_name: str) -> Any:
@@ -106,3 +122,29 @@ def test_json_schemas(name: str) -> None:
         assert doc["format_version"] == "1.3", "rank chains are written as 1.3 (spec §20.1)"
         errors = [e.message for e in root.iter_errors(doc)]
         assert not errors, (str(rank_root.relative_to(chain)), errors)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("1.4/")])
+def test_copy_rank_state_and_extra(name: str) -> None:
+    """A copy rank (spec §20.2 ``copies``) has rank 0's local state and its own RNG states,
+    which rank chain 0 records under ``extra.ranks``."""
+    reader = ldformat.open_reader(GOLDEN / name / "chain")
+    assert isinstance(reader, ldformat.ShardedReader)
+    assert dict(reader.root.copies) == {1: 0} and list(reader.ranks) == [0]
+    step = reader.latest_step
+    got = reader.materialize(step)
+    assert same(got["rank_extra"][0], got["extra"])
+    mine = got["extra"]["ranks"]["1"]
+    assert same(got["rank_extra"][1]["rng"], mine["rng"]) and got["rank_extra"][1]["data"] == mine["data"]
+    assert same(reader.extra_of(1, step), got["rank_extra"][1])
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal values, tensors compared bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(bits(a), bits(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

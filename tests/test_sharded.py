@@ -577,7 +577,7 @@ def test_a_disk_budget_drops_history_per_rank_and_keeps_the_newest_committed_ste
     assert reader.steps[0] > 0, f"nothing was dropped: {reader.steps}"
     assert reader.steps == list(range(reader.steps[0], STEPS + 1))
     share = BUDGET_RUN["max_bytes"] // 2
-    for rank in reader.ranks:
+    for rank in reader.ranks.values():
         assert rank.steps[0] in rank.anchors
         assert rank.state.referenced_bytes() <= share, (rank.path, rank.state.referenced_bytes(), share)
     problems = []

@@ -190,3 +190,52 @@ def test_pending_steps_beyond_the_last_commit_are_not_committed(chain: Path) -> 
     assert reader.latest_step is not None and reader.latest_step < STEPS
     assert STEPS in reader.ranks[0].steps and STEPS not in reader.steps
     assert ldformat.validate(chain).ok
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture
+def hsdp(tmp_path: Path) -> Path:
+    """A format 1.4 chain whose rank 1 is a copy of rank 0 (spec §20.2 ``copies``)."""
+    shutil.copytree(GOLDEN / "1.4" / "sharded.copies.state.xor" / "chain", tmp_path / "hsdp")
+    return tmp_path / "hsdp"
+
+
+@pytest.mark.parametrize("what, change, needle", [
+    ("copies in a 1.3 root", lambda d: d.update(format_version="1.3"), "copies"),
+    ("a rank its own copy", lambda d: d.update(copies={"1": 1}), "lower rank"),
+    ("a source outside the world", lambda d: d.update(copies={"1": 7}), "lower rank"),
+    ("rank 0 a copy", lambda d: d.update(copies={"0": 0}), "lower rank"),
+    ("a rank with a leading zero", lambda d: d.update(copies={"01": 0}), "decimal rank"),
+    ("a boolean source", lambda d: d.update(copies={"1": False}), "decimal rank"),
+    ("empty copies", lambda d: d.update(copies={}), "non-empty"),
+    ("copies that are not an object", lambda d: d.update(copies=[1, 0]), "non-empty"),
+])
+@pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
+def test_crafted_copies_are_refused(hsdp: Path, what: str, change: Callable[[dict[str, Any]], None],
+                                    needle: str) -> None:
+    rewrite_root(hsdp, change)
+    assert_reported(hsdp, needle, "sharded.json")
+
+
+@pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
+def test_copies_of_a_rank_with_other_blocks_are_refused(tmp_path: Path) -> None:
+    """FSDP2's ranks hold different rows: declaring rank 1 a copy would lose them (rule C3)."""
+    chain = tmp_path / "fsdp"
+    shutil.copytree(GOLDEN / "1.3" / "sharded.state.xor" / "chain", chain)
+    rewrite_root(chain, lambda d: d.update(format_version="1.4", copies={"1": 0}))
+    assert_reported(chain, "different blocks", "sharded.json")
+
+
+@pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
+def test_a_copy_rank_without_copies_is_a_missing_rank_chain(hsdp: Path) -> None:
+    rewrite_root(hsdp, lambda d: d.pop("copies"))
+    assert_reported(hsdp, "rank 1's chain is missing", "ranks/00001")
+
+
+@pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
+def test_a_stray_directory_of_a_copy_rank_is_ignored(hsdp: Path) -> None:
+    shutil.copytree(GOLDEN / "1.3" / "sharded.state.xor" / "chain" / "ranks" / "00001", hsdp / "ranks" / "00001")
+    assert ldformat.validate(hsdp, deep=True).ok
+    assert list(ldformat.open_reader(hsdp).materialize()["model"])

@@ -92,7 +92,7 @@ def referenced(chain: Path) -> dict[str, str]:
         out[f"commits/{p.name}"] = hashlib.sha256(p.read_bytes()).hexdigest()
     reader = ldformat.open_reader(chain)
     assert isinstance(reader, ldformat.ShardedReader)
-    for r, rank in enumerate(reader.ranks):
+    for r, rank in reader.ranks.items():
         base = chain / "ranks" / f"{r:05d}"
         names = [ROOT_FILE, *(log_path(rec.seq) for rec in rank.records), *sorted(rank.state.referenced_objects())]
         out.update({f"ranks/{r:05d}/{n}": hashlib.sha256((base / n).read_bytes()).hexdigest() for n in names})

@@ -158,10 +158,13 @@ class RankExtras:
     on a gloo side group, so that rank 0 records each rank's own (spec §19.1 ``ranks``) and a
     resumed rank gets its own back (§19.5). Constructing it is a collective of the group."""
 
-    def __init__(self, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, ranks: list[int] | None = None) -> None:
+        """``ranks``: the ranks of ``group`` that take part, rank 0 first (default: all of them);
+        only they construct it. A sharded job's copy ranks send theirs (spec §20.2 ``copies``)."""
         from datetime import timedelta
 
-        members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        self.ranks = ranks if ranks is not None else list(range(dist.get_world_size(group)))
+        members = [int(dist.get_global_rank(group, r)) if group is not None else r for r in self.ranks]
         self.rank = dist.get_rank(group)
         self.world = len(members)
         self.dst = members[0]
@@ -185,13 +188,49 @@ class RankExtras:
         if gathered is None:
             return None
         out: dict[str, dict[str, object]] = {}
-        for r, got in enumerate(gathered[1:], start=1):
+        for r, got in zip(self.ranks[1:], gathered[1:], strict=True):
             assert isinstance(got, dict)
             out[str(r)] = got
         return out
 
 
-class ResidualPeer:
+class ExtrasPeer:
+    """A rank whose state rank 0's chain records: it counts steps as the Checkpointer does (one
+    per ``optimizer.step()``, or, given the GradScaler, one per ``scaler.update()``, skipped
+    steps included) and after every step sends rank 0 its RNG states and data position
+    (spec §19.1 ``ranks``). A sharded job's copy ranks are such peers (spec §20.2 ``copies``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, extras: RankExtras, *, start: int,
+                 scaler: torch.amp.GradScaler | None = None, data: Stateful | None = None) -> None:
+        self.data = data
+        self.extras = extras
+        self.step = start
+        self._handle = optimizer.register_step_post_hook(self._post_hook)
+        self._scaler = scaler
+        self._unwrap = call_after(scaler, "update", self._count_step) if scaler is not None else None
+
+    def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
+        if self._scaler is None and not nested_step(optimizer):
+            self._count_step()
+
+    def _count_step(self) -> None:
+        self.step += 1
+        self.exchange()
+
+    def exchange(self) -> None:
+        self.extras.exchange(capture_rng(), self._data_state())
+
+    def _data_state(self) -> object:
+        return self.data.state_dict() if self.data is not None else None
+
+    def close(self) -> None:
+        self._handle.remove()
+        if self._unwrap is not None:
+            self._unwrap()
+            self._unwrap = None
+
+
+class ResidualPeer(ExtrasPeer):
     """On ranks other than 0 of a data-parallel job: hand this rank's state to rank 0's chain.
 
     Rank 0 runs a :class:`~ldformat.Checkpointer`. Every other rank runs a ResidualPeer
@@ -216,9 +255,8 @@ class ResidualPeer:
 
         if anchor_every is not None:
             positive_interval(anchor_every, "anchor_every")
-        self.data = data
-        self.extras = RankExtras(process_group)
-        self.extras.exchange(capture_rng(), self._data_state())  # the state of the start step
+        extras = RankExtras(process_group)
+        extras.exchange(capture_rng(), data.state_dict() if data is not None else None)  # the start step's
         start, every = learn_start(process_group)
         if compressor is not None and every is None:
             raise UsageError("ResidualPeer: rank 0's Checkpointer has an automatic anchor_every; data-parallel "
@@ -230,20 +268,13 @@ class ResidualPeer:
             raise UsageError(f"ResidualPeer: step={step}, but rank 0's chain continues from step {start}")
         self.compressor = compressor
         self.anchor_every = every
-        self.step = start
         self.process_group = process_group
         by_id: dict[int, str] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             by_id.setdefault(id(p), name)
         self._names = [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
         self._last_anchor = start
-        self._handle = optimizer.register_step_post_hook(self._post_hook)
-        self._scaler = scaler
-        self._unwrap = call_after(scaler, "update", self._count_step) if scaler is not None else None
-
-    def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
-        if self._scaler is None and not nested_step(optimizer):
-            self._count_step()
+        super().__init__(optimizer, extras, start=start, scaler=scaler, data=data)
 
     def _count_step(self) -> None:
         self.step += 1
@@ -251,13 +282,4 @@ class ResidualPeer:
                 self.step - self._last_anchor >= self.anchor_every):
             gather_residuals(self.compressor, self._names, self.process_group)
             self._last_anchor = self.step
-        self.extras.exchange(capture_rng(), self._data_state())  # after the residuals, as rank 0 does
-
-    def _data_state(self) -> object:
-        return self.data.state_dict() if self.data is not None else None
-
-    def close(self) -> None:
-        self._handle.remove()
-        if self._unwrap is not None:
-            self._unwrap()
-            self._unwrap = None
+        self.exchange()  # after the residuals, as rank 0 does

@@ -20,7 +20,7 @@ from ..log import ROOT_FILE, WriterLock, open_log_for_write
 from ..manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
 from ..reader import ChainReader
 from ..replicate import ReplicaDivergedError, sync
-from ..sharded import ShardedReader, assemble_state, is_sharded
+from ..sharded import ShardedReader, assemble_state, extra_of_rank, is_sharded
 from ..shards import has_dtensors
 from ..stores import Store, location_name, parse_location
 from ..stores import open_store as open_location
@@ -174,16 +174,12 @@ def own_extra(extra: dict[str, Any], rank: int, where: str) -> dict[str, Any]:
     chain records the other ranks' under ``ranks``."""
     if rank == 0:
         return extra
-    mine = extra.get("ranks", {}).get(str(rank)) if isinstance(extra.get("ranks"), dict) else None
-    if not isinstance(mine, dict):
+    mine = extra_of_rank(extra, rank)
+    if mine is None:
         log.warning("%s: the chain holds no RNG states or data position of rank %d (recorded by one process, or "
                     "by an earlier ldformat); rank %d restores rank 0's", where, rank, rank)
         return extra
-    out = dict(extra)
-    if "rng" in mine:
-        out["rng"] = mine["rng"]
-    out["data"] = mine.get("data")
-    return out
+    return mine
 
 
 def is_sharded_chain(path: str, storage_options: dict[str, Any] | None) -> bool:
@@ -221,9 +217,17 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     primary = rank if same else (sources[0] if sources else 0)
     sources = sorted(set(sources) | {primary})
     parts = dict(zip(sources, reader.materialize_ranks(step, ranks=sources), strict=True))
-    state = assemble_state(reader.root, parts, f"{path} (step {step})", reader.ranks[primary].root.schema,
-                           primary=primary, regions=regions)
+    state = assemble_state(reader.root, parts, f"{path} (step {step})",
+                           reader.ranks[reader.root.source(primary)].root.schema, primary=primary, regions=regions)
     own = parts[primary]["extra"]
+    if same and rank in reader.root.copies:  # a copy rank's own RNG states and data position are rank 0's record
+        mine = reader.extra_of(rank, step)
+        if mine is None:
+            log.warning("%s: rank chain 0 holds no RNG states or data position of copy rank %d at step %d; they are "
+                        "not restored", path, rank, step)
+            own = {k: v for k, v in own.items() if k not in ("rng", "data")}
+        else:
+            own = mine
     load_full_state(model, optimizer, state)
     if scheduler is not None and "scheduler" in own:
         scheduler.load_state_dict(own["scheduler"])

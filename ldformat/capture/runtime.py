@@ -50,7 +50,7 @@ from ..stores import Store
 from ..topk import TopK
 from ..writer import build_schema
 from .background import BackgroundWriter, Queued
-from .ddp import RankExtras, ResidualPeer, announce_start, peer_residual_tensors, world_size
+from .ddp import ExtrasPeer, RankExtras, ResidualPeer, announce_start, peer_residual_tensors, world_size
 from .extra import Stateful, loop_extra
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
@@ -286,8 +286,9 @@ class Checkpointer:
         # rank 0 its own RNG states and data position every step (spec §19.1 ``ranks``) and, in
         # 'lowdiff', its top-k residuals at every anchor.
         data_parallel = self.world_size > 1
+        copies = sharded.copies if self.sharded else {}
         self._passive = data_parallel and torch.distributed.get_rank(process_group) != 0
-        self._peer: ResidualPeer | None = None
+        self._peer: ExtrasPeer | None = None
         self._rank_extras: RankExtras | None = None
         if data_parallel and mode in ("xor", "lowdiff+"):
             self.world_size = 1  # every rank's state is rank 0's: no per-rank residuals
@@ -310,9 +311,18 @@ class Checkpointer:
                                       model=model, process_group=process_group, scaler=scaler, data=self.sampler)
             return
         initial_ranks = None
-        if data_parallel:
-            self._rank_extras = RankExtras(process_group)
+        if data_parallel or copies:
+            # Rank 0 records the RNG states and data positions of the ranks that write no chain
+            # of their own: DDP's other ranks, a sharded job's copy ranks (spec §19.1, §20.2).
+            self._rank_extras = RankExtras(process_group, [0, *sorted(copies)] if copies else None)
             initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state())
+            if self.sharded and sharded.is_copy:  # its state is its source rank's chain's: it writes nothing
+                commit_now(None, process_group, None)
+                self._passive = True
+                self._peer = ExtrasPeer(optimizer, self._rank_extras, start=step if step is not None else 0,
+                                        scaler=scaler, data=self.sampler)
+                self._rank_extras = None
+                return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device.type == "cuda"
@@ -332,7 +342,8 @@ class Checkpointer:
             self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
             if self.sharded:
                 if sharded.rank == 0:
-                    self._committer = Committer(self.path, sharded.world_size, storage_options, self.stats)
+                    self._committer = Committer(self.path, [r for r in range(sharded.world_size) if r not in copies],
+                                                storage_options, self.stats)
                 commit_now(self._committer, process_group, self.writer.durable_step)
                 self.writer.retain_at_most = newest_committed(self.path, storage_options)
         except BaseException as e:

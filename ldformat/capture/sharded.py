@@ -24,8 +24,11 @@ from ..errors import ChainLockedError, LdformatError, UnsupportedStateError, Usa
 from ..log import WriterLock, log_path, log_sequence_numbers, now, read_log, read_record
 from ..manifest import ChainState
 from ..sharded import (
+    COPIES_VERSION,
+    SHARDED_VERSION,
     Commit,
     ShardedRoot,
+    copy_ranks,
     create_commit,
     create_sharded_root,
     is_sharded,
@@ -56,6 +59,12 @@ class ShardedSetup:
     rank_path: str  # this rank's chain
     committed: int | None  # the newest commit's step: the rank chain continues from it
     lock: WriterLock | None  # this rank's chain's lock, held since the opening (None: a new rank chain)
+    copies: dict[int, int]  # the copy ranks (spec §20.2): they write no rank chain
+
+    @property
+    def is_copy(self) -> bool:
+        """Whether this rank is a copy rank: its state is in a lower rank's chain."""
+        return self.rank in self.copies
 
 
 def _group_rank0(group: Any) -> int:
@@ -136,13 +145,15 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
                 shard = Shard(r, tuple(offsets), tuple(lengths))
                 layouts[name] = Layout(dtype, tuple(shape), (*(lay.shards if lay else ()), shard))
         mesh_shape, dim_names = _mesh(model, world)
+        copies = copy_ranks(world, layouts)
         root = ShardedRoot(chain_id=os.urandom(16).hex(), created=now(), kind=kind, world_size=world,
-                           mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts)
+                           mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts, copies=copies,
+                           format_version=COPIES_VERSION if copies else SHARDED_VERSION)
         try:
-            _create_or_check(path, root, storage_options)
+            copies = _create_or_check(path, root, storage_options)
         except LdformatError as e:
             error = e
-    _agree(error, group, src)
+    copies = _agree(error, copies if rank == 0 else None, group, src)
     # Opening (spec §20.3.3): every rank holds its rank chain's lock (a takeover fences that
     # rank chain), then rank 0 fences the commit records with a record for the newest committed
     # step N, before any rank chain is truncated.
@@ -151,7 +162,7 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
     try:
         error = None
         try:
-            if _exists(location, storage_options):
+            if rank not in copies and _exists(location, storage_options):
                 lock = WriterLock.acquire(open_store(location, storage_options=storage_options), location)
         except ChainLockedError as e:
             error = ChainLockedError(f"{e} (rank {rank}'s chain; stop that job first)")
@@ -182,17 +193,19 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
         if lock is not None:
             lock.release()
         raise
-    return ShardedSetup(rank=rank, world_size=world, rank_path=location, committed=box[1], lock=lock)
+    return ShardedSetup(rank=rank, world_size=world, rank_path=location, committed=box[1], lock=lock,
+                        copies=copies)
 
 
-def _agree(error: BaseException | None, group: Any, src: int) -> None:
-    """Rank 0's error, raised on every rank."""
+def _agree(error: BaseException | None, copies: dict[int, int] | None, group: Any, src: int) -> dict[int, int]:
+    """Rank 0's error, raised on every rank; else rank 0's copy ranks, on every rank."""
     import torch.distributed as dist
 
-    box: list[Any] = [error]
+    box: list[Any] = [error, copies]
     dist.broadcast_object_list(box, src=src, group=group)
     if box[0] is not None:
         raise box[0]
+    return dict(box[1])
 
 
 def _exists(location: str, storage_options: dict[str, Any] | None) -> bool:
@@ -211,7 +224,9 @@ def _top_store(path: str, storage_options: dict[str, Any] | None) -> Store:
     return open_store(path, storage_options=storage_options)
 
 
-def _create_or_check(path: str, root: ShardedRoot, storage_options: dict[str, Any] | None) -> None:
+def _create_or_check(path: str, root: ShardedRoot, storage_options: dict[str, Any] | None) -> dict[int, int]:
+    """Create ``sharded.json``, or check that the one there has this run's layout; returns the
+    copy ranks in force (an existing chain's, which a writer of format 1.3 left empty)."""
     from ..log import ROOT_FILE
 
     store = _top_store(path, storage_options)
@@ -219,7 +234,7 @@ def _create_or_check(path: str, root: ShardedRoot, storage_options: dict[str, An
         if store.exists(ROOT_FILE):
             raise UsageError(f"{path}: holds an unsharded chain; a sharded model checkpoints to a new path")
         create_sharded_root(store, root, path)
-        return
+        return dict(root.copies)
     have = read_sharded_root(store, path)
     if have.kind != root.kind:
         raise UsageError(f"{path}: the chain has kind {have.kind}; this mode writes {root.kind}")
@@ -229,6 +244,7 @@ def _create_or_check(path: str, root: ShardedRoot, storage_options: dict[str, An
             f"and a different layout than this run's (world size {root.world_size}, mesh {list(root.mesh_shape)}); "
             "resume from it with ldformat.resume() and checkpoint the resharded run to a new path"
         )
+    return dict(have.copies)
 
 
 class _RankLog:
@@ -255,7 +271,7 @@ class _RankLog:
 class Committer:
     """Rank 0's global commits (spec §20.3): a step is committed once every rank chain holds it."""
 
-    def __init__(self, path: str, world_size: int, storage_options: dict[str, Any] | None,
+    def __init__(self, path: str, chain_ranks: list[int], storage_options: dict[str, Any] | None,
                  stats: CaptureStats | None = None) -> None:
         self.path = path
         self.stats = stats
@@ -263,7 +279,8 @@ class Committer:
         self.on_commit: Callable[[int], None] | None = None
         self._ended: dict[int, float] = {}  # step -> when rank 0 finished it (for commit latency)
         self.store = _top_store(path, storage_options)
-        self.ranks = [_RankLog(rank_location(path, r), storage_options) for r in range(world_size)]
+        self.rank_ids = chain_ranks  # every rank but the copy ranks, which write no chain
+        self.ranks = [_RankLog(rank_location(path, r), storage_options) for r in chain_ranks]
         self.last: Commit | None = newest_commit(self.store, path)
         self.error: BaseException | None = None
         self._lock = threading.Lock()
@@ -288,9 +305,9 @@ class Committer:
         states = [r.refresh() for r in self.ranks]
         latest = [s.latest_step for s in states]
         if any(x is None for x in latest):
-            return None, [r for r, x in enumerate(latest) if x is None]
+            return None, [r for r, x in zip(self.rank_ids, latest, strict=True) if x is None]
         newest = max(x for x in latest if x is not None)
-        behind = [r for r, x in enumerate(latest) if x != newest]
+        behind = [r for r, x in zip(self.rank_ids, latest, strict=True) if x != newest]
         low = min(x for x in latest if x is not None)
         if all(low in s.anchors or low in s.deltas for s in states):
             return low, behind

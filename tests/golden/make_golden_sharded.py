@@ -1,10 +1,12 @@
-"""Build the golden sharded chains of format 1.3 (spec §20, §3.4).
+"""Build the golden sharded chains of format 1.3 or 1.4 (spec §20, §3.4).
 
 Usage::
 
-    python tests/golden/make_golden_sharded.py OUTDIR
+    python tests/golden/make_golden_sharded.py OUTDIR [VERSION]
 
-Two CPU processes (gloo) train an FSDP2-sharded model and write one sharded chain per kind:
+VERSION is 1.3 (the default) or 1.4. Two CPU processes (gloo) train a sharded model and write
+one sharded chain per kind: for 1.3 with FSDP2 on a 1-D mesh, for 1.4 with HSDP on a (2, 1)
+mesh, where rank 1 holds rank 0's blocks and is a copy rank (spec §20.2 ``copies``):
 
     OUTDIR/sharded.json                       what each chain exercises, and its steps
     OUTDIR/<name>/chain/                      the sharded chain (sharded.json, commits/, ranks/)
@@ -46,6 +48,17 @@ CHAINS = {
     "sharded.grad.topk": ("lowdiff", "sgd", "the same model, grad.topk: top-k per shard, residuals per rank in the "
                           "anchors; SGD with power-of-two learning rates"),
 }
+#: Format 1.4: copy ranks. HSDP on a (replicate 2, shard 1) mesh: each rank trains on its own
+#: data, gradients are all-reduced over the replicas, and rank 1 writes no rank chain.
+CHAINS_14 = {
+    "sharded.copies.state.xor": ("xor", "adam", "HSDP at world size 2 on a (2, 1) mesh: rank 1 is a copy of rank 0 "
+                                 "and writes no rank chain; its RNG states are in rank chain 0's extra.ranks; the "
+                                 "model of the 1.3 chains; Adam; anchors every 3 steps"),
+    "sharded.copies.grad.dense": ("lowdiff+", "sgd", "the same HSDP job, grad.dense; SGD with power-of-two learning "
+                                  "rates"),
+    "sharded.copies.grad.topk": ("lowdiff", "sgd", "the same HSDP job, grad.topk: rank 0's residuals stand for "
+                                 "its copy's; SGD with power-of-two learning rates"),
+}
 
 
 class ShardedNet(nn.Module):
@@ -66,13 +79,14 @@ class ShardedNet(nn.Module):
         return self.head(h) + self.norm(self.up(h))
 
 
-def build(world: int, optimizer: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(world: int, optimizer: str, hsdp: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
     model = ShardedNet()
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = (init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")) if hsdp
+            else init_device_mesh("cpu", (world,)))
     fully_shard(model.up, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if optimizer == "adam":
@@ -102,13 +116,13 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
         a.detach().reshape(-1).contiguous().view(torch.uint8), b.detach().reshape(-1).contiguous().view(torch.uint8))
 
 
-def worker(rank: int, world: int, port: int, out: Path) -> None:
+def worker(rank: int, world: int, port: int, out: Path, version: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        for name, (mode, opt_name, _) in CHAINS.items():
-            model, optimizer = build(world, opt_name)
+        for name, (mode, opt_name, _) in (CHAINS_14 if version == "1.4" else CHAINS).items():
+            model, optimizer = build(world, opt_name, hsdp=version == "1.4")
             names = param_names(model, optimizer)
             kwargs: dict[str, Any] = {"topk_ratio": 0.25} if mode == "lowdiff" else {}
             ck = ldformat.Checkpointer(out / name / "chain", model, optimizer, mode=mode, anchor_every=3,
@@ -129,19 +143,21 @@ def worker(rank: int, world: int, port: int, out: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python tests/golden/make_golden_sharded.py OUTDIR", file=sys.stderr)
+    if len(argv) not in (1, 2) or argv[1:] not in ([], ["1.3"], ["1.4"]):
+        print("usage: python tests/golden/make_golden_sharded.py OUTDIR [1.3|1.4]", file=sys.stderr)
         return 2
     out = Path(argv[0])
+    version = argv[1] if len(argv) == 2 else "1.3"
+    chains = CHAINS_14 if version == "1.4" else CHAINS
     if (out / "sharded.json").exists():
         print(f"{out}: already holds sharded golden chains; they are never rewritten", file=sys.stderr)
         return 2
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    mp.spawn(worker, args=(2, port, out), nprocs=2)
-    index: dict[str, Any] = {"format_version": "1.3", "torch": torch.__version__, "chains": {}}
-    for name, (_, _, description) in CHAINS.items():
+    mp.spawn(worker, args=(2, port, out, version), nprocs=2)
+    index: dict[str, Any] = {"format_version": version, "torch": torch.__version__, "chains": {}}
+    for name, (_, _, description) in chains.items():
         chain = out / name / "chain"
         for lock in chain.glob("ranks/*/lock"):  # released locks name this host: not content
             shutil.rmtree(lock)
@@ -149,6 +165,7 @@ def main(argv: list[str]) -> int:
         (out / name / "live.pt").unlink()
         reader = ldformat.open_reader(chain)
         assert isinstance(reader, ldformat.ShardedReader)
+        assert reader.root.format_version == version and bool(reader.root.copies) == (version == "1.4")
         expected = out / name / "expected"
         expected.mkdir()
         for state in saved["live"]:
@@ -173,7 +190,7 @@ def main(argv: list[str]) -> int:
                                  "anchors": reader.anchors, "description": description}
     (out / "sharded.json").write_text(json.dumps(index, indent=2) + "\n")
     total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"wrote {len(CHAINS)} sharded golden chains to {out} ({total} bytes)")
+    print(f"wrote {len(chains)} sharded golden chains of format {version} to {out} ({total} bytes)")
     return 0
 
 
