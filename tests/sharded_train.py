@@ -3,14 +3,16 @@
 Run as ``python sharded_train.py --rank R --world W --out DIR --job JOB.json`` with
 ``MASTER_ADDR``/``MASTER_PORT`` set. The job file holds a list of runs that this process
 executes one after another in the same process group (a launch costs the import of torch):
-each run builds a fresh :class:`ShardNet`, wraps it (``layout``: plain, fsdp, tp, 2d), gets its
+each run builds a fresh :class:`ShardNet`, wraps it (``layout``: plain, fsdp, fsdp-mp, tp, 2d,
+hsdp), gets its
 starting state (fresh seeded weights, ``ldformat.resume`` from a chain, a saved gathered full
 state, or a ``torch.distributed.checkpoint`` directory), optionally records the chain
 ``DIR/<chain>`` with an ``ldformat.Checkpointer`` (``mode``; not with ``--no-checkpoint``, which
 checks the harness alone) and trains ``steps`` optimizer steps. After the start and after
-every step it gathers the full live state with ``get_state_dict(full_state_dict=True)``
-and every rank saves what it gathered to ``DIR/<run>.rank<R>.pt``; the checks run in the
-pytest process.
+every step it gathers the full live state with ``get_state_dict(full_state_dict=True)``, and
+records its own torch RNG state (seeded per rank under HSDP, so that the ranks' states
+differ); every rank saves what it gathered to ``DIR/<run>.rank<R>.pt``; the checks run in
+the pytest process.
 """
 
 from __future__ import annotations
@@ -117,6 +119,14 @@ def build(layout: str, world: int, rank: int) -> tuple[nn.Module, int]:
         fully_shard(model.norm, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         return model, mesh["dp"].get_local_rank()
+    if layout == "hsdp":  # hybrid sharding: replica groups of 2 ranks; ranks 2, 3 hold ranks 0, 1's blocks
+        assert world % 2 == 0, "HSDP needs an even world"
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model.block, mesh=mesh)
+        fully_shard(model.norm, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        torch.manual_seed(1000 + rank)  # each rank's own RNG stream (restored per rank on resume)
+        return model, rank
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -207,15 +217,18 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool
     if spec.get("mode") and checkpoint:
         ck = ldformat.Checkpointer(out / spec["chain"], model, optimizer, mode=spec["mode"],
                                    anchor_every=4, batch_steps=2, max_bytes=spec.get("max_bytes"))
-    record: dict[str, Any] = {"start": step, "layout": local_layout(model), "steps": {step: gather(model, optimizer)}}
+    record: dict[str, Any] = {"start": step, "layout": local_layout(model), "steps": {step: gather(model, optimizer)},
+                              "rng": {step: torch.get_rng_state()}}
     for _ in range(int(spec["steps"])):
         step += 1
         x, y = batch(step, dp_rank)
+        torch.rand(1 + rank)  # the ranks' RNG streams move apart (the chain records them as the step ends)
         model.train()
         optimizer.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
         record["steps"][step] = gather(model, optimizer)
+        record["rng"][step] = torch.get_rng_state()
     if ck is not None:
         ck.close()
     torch.save(record, out / f"{spec['name']}.rank{rank}.pt")

@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -96,7 +97,14 @@ W4_CHAINS = [
     chain_run("fsdp4-xor", "fsdp", "xor", "adam"),
     chain_run("2d-xor", "2d", "xor", "sgd"),
     chain_run("2d-lowdiffp", "2d", "lowdiff+", "adamw"),
+    # HSDP, 2 replicas of 2 shards: ranks 2 and 3 are copy ranks and write no chain (spec §20.2)
+    chain_run("hsdp-lowdiff", "hsdp", "lowdiff", "adamw"),
+    chain_run("hsdp-lowdiffp", "hsdp", "lowdiff+", "adam"),
 ]
+#: An HSDP chain that a second run opens again after a resume and appends MORE steps to.
+HSDP_REOPENED = [chain_run("hsdp-xor", "hsdp", "xor", "adamw"),
+                 {"name": "hsdp-xor-more", "layout": "hsdp", "optim": "adamw", "steps": MORE, "mode": "xor",
+                  "chain": "hsdp-xor"}]
 W1_CHAINS = [chain_run("fsdp1-xor", "fsdp", "xor", "adamw")]
 
 
@@ -240,10 +248,11 @@ def w1(w2: Launch, dcp_export: Export, tmp_path_factory: pytest.TempPathFactory)
 
 
 @pytest.fixture(scope="module")
-def w2b(w1: Launch, w2: Launch, dcp_export: Export, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    """World 2 again: resumes 1->2 (FSDP, TP), FSDP->TP; the DCP export on a TP mesh."""
+def w2b(w1: Launch, w2: Launch, w4: Launch, dcp_export: Export, tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """World 2 again: resumes 1->2 (FSDP, TP), FSDP->TP, HSDP at 4 -> FSDP at 2; the DCP export on a TP mesh."""
     outdir = tmp_path_factory.mktemp("sharded-w2b")
     runs = [*resume_pair("r12-fsdp", "fsdp", "adamw", w1.outdir, "fsdp1-xor"),
+            *resume_pair("r42-hsdp", "fsdp", "adam", w4.outdir, "hsdp-lowdiffp"),
             *resume_pair("r12-tp", "tp", "adamw", w1.outdir, "fsdp1-xor"),
             *resume_pair("r-fsdp2tp", "tp", "adamw", w2.outdir, "fsdp-lowdiffp"),
             *dcp_pair("dcp-tp", "tp", "sgd", dcp_export.path, w2.outdir, "fsdp-xor")]
@@ -252,13 +261,16 @@ def w2b(w1: Launch, w2: Launch, dcp_export: Export, tmp_path_factory: pytest.Tem
 
 @pytest.fixture(scope="module")
 def w4(w2: Launch, tmp_path_factory: pytest.TempPathFactory) -> Launch:
-    """World 4: FSDP2 (a rank with 0 rows) and 2-D chains; resumes 2->4 (FSDP, TP->FSDP, FSDP->2-D)."""
+    """World 4: FSDP2 (a rank with 0 rows), 2-D and HSDP chains; resumes 2->4 (FSDP, TP->FSDP,
+    FSDP->2-D) and 4->4 (HSDP, copy ranks included); an HSDP chain opened again and appended to."""
     outdir = tmp_path_factory.mktemp("sharded-w4")
     runs = [*W4_CHAINS,
+            HSDP_REOPENED[0], {**HSDP_REOPENED[1], "resume": str(outdir / "hsdp-xor")},
+            *resume_pair("r44-hsdp", "hsdp", "adamw", outdir, "hsdp-lowdiff"),
             *resume_pair("r24-fsdp", "fsdp", "sgd", w2.outdir, "fsdp-xor"),
             *resume_pair("r24-2d", "2d", "sgd", w2.outdir, "fsdp-xor"),
             *resume_pair("r24-tp2fsdp", "fsdp", "adamw", w2.outdir, "tp-xor")]
-    return launch(outdir, 4, runs, timeout=360)
+    return launch(outdir, 4, runs, timeout=540)
 
 
 def _launch(request: pytest.FixtureRequest, name: str) -> Launch:
@@ -417,6 +429,8 @@ RESUMES = [  # (launch of the resumed run, run, launch of the chain, chain run, 
     ("w4", "r24-fsdp", "w2", "fsdp-xor", STEPS),
     ("w4", "r24-2d", "w2", "fsdp-xor", STEPS),
     ("w4", "r24-tp2fsdp", "w2", "tp-xor", STEPS),
+    ("w4", "r44-hsdp", "w4", "hsdp-lowdiff", STEPS),
+    ("w2b", "r42-hsdp", "w4", "hsdp-lowdiffp", STEPS),
 ]
 
 
@@ -594,3 +608,61 @@ def test_every_run_completed(w1: Launch, w2: Launch, w2b: Launch, w4: Launch) ->
               for launch in (w1, w2, w2b, w4) for name, text in launch.failed.items()}
     seconds = {f"world {launch.world}": round(launch.seconds, 1) for launch in (w1, w2, w2b, w4)}
     assert not failed, f"failed runs (launch seconds {seconds}): {failed}"
+
+
+# -- HSDP: copy ranks (spec §20.2 ``copies``, format 1.4) ---------------------------------------------
+HSDP_CHAINS = ["hsdp-lowdiff", "hsdp-lowdiffp", "hsdp-xor"]
+
+
+@pytest.mark.parametrize("name", HSDP_CHAINS)
+def test_hsdp_replicas_are_written_once(w4: Launch, name: str) -> None:
+    """Ranks 2 and 3 hold ranks 0 and 1's blocks: they are copy ranks and write nothing."""
+    root = json.loads((w4.chain(name) / "sharded.json").read_text())
+    assert root["format_version"] == "1.4" and root["copies"] == {"2": 0, "3": 1}
+    assert root["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
+    assert sorted(p.name for p in (w4.chain(name) / "ranks").iterdir()) == ["00000", "00001"]
+    reader = ldformat.open_reader(w4.chain(name))
+    assert isinstance(reader, ldformat.ShardedReader) and list(reader.ranks) == [0, 1]
+    for step in (MID, STEPS):  # rank chain 0 records the copy ranks' own RNG states
+        state = reader.materialize(step)
+        for rank in (2, 3):
+            mine = state["rank_extra"][rank]["rng"]["torch"]
+            assert torch.equal(mine, w4.record(name, rank)["rng"][step]), f"rank {rank} step {step}"
+
+
+def test_hsdp_resume_restores_every_rank_its_own_rng(w4: Launch) -> None:
+    """At the recording layout each rank, copy ranks included, gets its own RNG state back."""
+    states = [w4.record("hsdp-lowdiff", rank)["rng"][STEPS] for rank in range(4)]
+    assert not torch.equal(states[0], states[2]) and not torch.equal(states[1], states[3])
+    for rank in range(4):
+        got = w4.record("r44-hsdp", rank)
+        assert got["start"] == STEPS
+        assert torch.equal(got["rng"][STEPS], states[rank]), f"rank {rank}'s RNG state after resume"
+
+
+def test_hsdp_chain_opened_again_and_appended(w4: Launch) -> None:
+    """A second HSDP job resumes the chain at its last step and appends to it with the same copies."""
+    assert w4.record("hsdp-xor-more", 0)["start"] == STEPS
+    reader = ldformat.open_reader(w4.chain("hsdp-xor"))
+    assert reader.steps == list(range(STEPS + MORE + 1))
+    problems = []
+    for step in reader.steps:
+        want = gathered(w4, "hsdp-xor" if step <= STEPS else "hsdp-xor-more", step)
+        problems += [f"step {step}: {d}" for d in state_diffs(reader.materialize(step), want)]
+    assert not problems, "\n".join(problems[:30])
+    assert ldformat.validate(w4.chain("hsdp-xor"), deep=True).ok
+
+
+def test_hsdp_truncate_and_compact(w4: Launch, tmp_path: Path) -> None:
+    chain = tmp_path / "hsdp"
+    shutil.copytree(w4.chain("hsdp-lowdiffp"), chain)
+    result = invoke("truncate", chain, "--after", MID, "--yes")
+    assert result.exit_code == 0, result.output
+    result = invoke("compact", chain, "--keep-last", 3)
+    assert result.exit_code == 0, result.output
+    reader = ldformat.open_reader(chain)
+    assert reader.steps[-1] == MID and len(reader.steps) == 3
+    for step in reader.steps:
+        assert not state_diffs(reader.materialize(step), gathered(w4, "hsdp-lowdiffp", step)), step
+    assert invoke("validate", chain).exit_code == 0
+    assert sorted(p.name for p in (chain / "ranks").iterdir()) == ["00000", "00001"]

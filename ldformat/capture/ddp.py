@@ -18,7 +18,7 @@ How the ranks are set up: docs/capture-runtime.md "Data-parallel `lowdiff`".
 import torch
 import torch.distributed as dist
 
-from ..captured import nested_step
+from ..captured import around_closure, nested_step
 from ..errors import LdformatError
 from ..topk import TopK
 from .extra import Stateful
@@ -198,16 +198,41 @@ class ExtrasPeer:
     """A rank whose state rank 0's chain records: it counts steps as the Checkpointer does (one
     per ``optimizer.step()``, or, given the GradScaler, one per ``scaler.update()``, skipped
     steps included) and after every step sends rank 0 its RNG states and data position
-    (spec §19.1 ``ranks``). A sharded job's copy ranks are such peers (spec §20.2 ``copies``)."""
+    (spec §19.1 ``ranks``). A sharded job's copy ranks are such peers (spec §20.2 ``copies``).
+
+    Given ``compress`` (a copy rank in ``lowdiff`` mode, whose source rank's Checkpointer
+    sparsifies the gradient the optimizer consumes), it sparsifies this rank's gradient the same
+    way before every step, with its own residuals, so that the copy keeps its source's state.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, extras: RankExtras, *, start: int,
-                 scaler: torch.amp.GradScaler | None = None, data: Stateful | None = None) -> None:
+                 scaler: torch.amp.GradScaler | None = None, data: Stateful | None = None,
+                 compress: tuple[TopK, torch.nn.Module] | None = None) -> None:
         self.data = data
         self.extras = extras
         self.step = start
+        self._compress = compress
+        self._pre_handle = optimizer.register_step_pre_hook(self._pre_hook) if compress is not None else None
         self._handle = optimizer.register_step_post_hook(self._post_hook)
         self._scaler = scaler
         self._unwrap = call_after(scaler, "update", self._count_step) if scaler is not None else None
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...],
+                  kwargs: dict[str, object]) -> tuple[tuple[object, ...], dict[str, object]] | None:
+        """As the Checkpointer's: top-k of the gradient about to be consumed (after a closure)."""
+        if nested_step(optimizer) or self._compress is None:
+            return None
+        topk, model = self._compress
+
+        def compress() -> None:
+            found_inf = getattr(optimizer, "found_inf", None)
+            if found_inf is None or float(found_inf) == 0.0:  # a skipped step consumes nothing
+                topk.compress_(model)
+
+        wrapped = around_closure(args, kwargs, compress, lambda: None)
+        if wrapped is None:
+            compress()
+        return wrapped
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if self._scaler is None and not nested_step(optimizer):
@@ -225,6 +250,8 @@ class ExtrasPeer:
 
     def close(self) -> None:
         self._handle.remove()
+        if self._pre_handle is not None:
+            self._pre_handle.remove()
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None

@@ -263,7 +263,8 @@ class Checkpointer:
                 raise UsageError("with a sharded model (DTensor parameters), store= is not supported: give the "
                                  "chain's location (a directory, or an object store URL) as the path")
             compressor_ = self.compressor
-            max_bytes = rank_budget(max_bytes, process_group)
+            whole_budget = max_bytes
+            max_bytes = rank_budget(max_bytes, process_group)  # checked before the copy ranks are known
 
             def check() -> None:  # each rank's refusals, before any rank writes
                 build_schema(model, optimizer, self.kind, compressor_)
@@ -273,6 +274,8 @@ class Checkpointer:
             sharded = sharded_setup(self.path, model, optimizer, kind=self.kind, group=process_group,
                                     storage_options=storage_options, check=check)
             rank_lock = sharded.lock
+            if sharded.copies and isinstance(whole_budget, int):  # split over the rank chains that exist
+                max_bytes = whole_budget // (sharded.world_size - len(sharded.copies))
             if step is not None and sharded.committed is not None and step != sharded.committed:
                 if rank_lock is not None:
                     rank_lock.release()
@@ -311,7 +314,7 @@ class Checkpointer:
                                       model=model, process_group=process_group, scaler=scaler, data=self.sampler)
             return
         initial_ranks = None
-        if data_parallel or copies:
+        if data_parallel or (copies and (sharded.rank == 0 or sharded.is_copy)):
             # Rank 0 records the RNG states and data positions of the ranks that write no chain
             # of their own: DDP's other ranks, a sharded job's copy ranks (spec §19.1, §20.2).
             self._rank_extras = RankExtras(process_group, [0, *sorted(copies)] if copies else None)
@@ -320,7 +323,9 @@ class Checkpointer:
                 commit_now(None, process_group, None)
                 self._passive = True
                 self._peer = ExtrasPeer(optimizer, self._rank_extras, start=step if step is not None else 0,
-                                        scaler=scaler, data=self.sampler)
+                                        scaler=scaler, data=self.sampler,
+                                        compress=(self.compressor, model) if self._compress and self.compressor
+                                        is not None else None)
                 self._rank_extras = None
                 return
         params = [p for g in optimizer.param_groups for p in g["params"]]

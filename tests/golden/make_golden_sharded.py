@@ -138,6 +138,8 @@ def worker(rank: int, world: int, port: int, out: Path, version: str) -> None:
             if rank == 0:
                 torch.save({"live": live, "param_groups": copy.deepcopy(optimizer.state_dict()["param_groups"])},
                            out / name / "live.pt")
+            else:  # every rank gathered the same full state: checked in main (a copy rank keeps its source's)
+                torch.save(live, out / name / f"live.rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -163,6 +165,16 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(lock)
         saved = torch.load(out / name / "live.pt", weights_only=False)
         (out / name / "live.pt").unlink()
+        for other in sorted((out / name).glob("live.rank*.pt")):
+            for mine, theirs in zip(saved["live"], torch.load(other, weights_only=False), strict=True):
+                for part in ("model", "state"):
+                    flat = (lambda d: d.items()) if part == "model" else (
+                        lambda d: [(f"{i}.{k}", v) for i, s in d.items() for k, v in s.items()])
+                    for (key, a), (_, b) in zip(flat(mine[part]), flat(theirs[part]), strict=True):
+                        if not same_bits(a, b):
+                            raise AssertionError(f"{name} step {mine['step']}: {other.name} {part} {key} differs "
+                                                 "from rank 0's")
+            other.unlink()
         reader = ldformat.open_reader(chain)
         assert isinstance(reader, ldformat.ShardedReader)
         assert reader.root.format_version == version and bool(reader.root.copies) == (version == "1.4")
