@@ -331,6 +331,20 @@ def open_writer(
         raise
 
 
+def load_anchor_residuals(reader: ChainReader, target: int, compressor: TopK) -> None:
+    """Load the top-k residuals that ``target``'s anchor holds into ``compressor``; zero (with a
+    warning) when ``target`` holds none (a delta step, or a compaction anchor)."""
+    tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
+    residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
+    if residuals or (target == 0 and target in reader.anchors):  # the residuals of step 0 are zero
+        compressor.load_residuals(residuals)
+    else:
+        log.warning("%s: step %s holds no top-k residuals (a delta step or a compaction anchor): they "
+                    "restart from zero; resume from a writer's anchor for an exact continuation",
+                    reader.path, target)
+        compressor.load_residuals({})
+
+
 def _open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, kind: Kind, mode: str,
                  step: int | None, compressor: TopK | None, batch_steps: int, truncate: bool, store: Store | None,
                  first_extra: Callable[[], dict[str, object]], storage_options: dict[str, Any] | None,
@@ -365,14 +379,6 @@ def _open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
 
             truncate_chain(path, target, store=store, part_of_sharded=rank_chain)
     if compressor is not None and target is not None:
-        tensors = reader.load_anchor_tensors(target) if target in reader.anchors else {}
-        residuals = {n[len("compressor/"):]: t for n, t in tensors.items() if n.startswith("compressor/")}
-        if residuals or (target == 0 and target in reader.anchors):  # the residuals of step 0 are zero
-            compressor.load_residuals(residuals)
-        else:
-            log.warning("%s: step %s holds no top-k residuals (a delta step or a compaction anchor): they "
-                        "restart from zero; resume from a writer's anchor for an exact continuation",
-                        path, target)
-            compressor.load_residuals({})
+        load_anchor_residuals(reader, target, compressor)
     return ChainWriter.open(path, model, optimizer, compressor=compressor, batch_steps=batch_steps, store=store,
                             capture_hook=False, lock=lock)

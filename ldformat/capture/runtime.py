@@ -44,6 +44,8 @@ from ..captured import (
 )
 from ..errors import LdformatError, UsageError
 from ..manifest import Kind
+from ..reader import ChainReader
+from ..sharded import rank_location
 from ..shards import has_dtensors, local
 from ..state import encode_param_groups
 from ..stores import Store
@@ -56,7 +58,7 @@ from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
 from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
-from .resume import open_writer
+from .resume import load_anchor_residuals, open_writer
 from .rng import capture_rng
 from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, commit_now, newest_committed, rank_budget
 from .sharded import setup as sharded_setup
@@ -320,6 +322,12 @@ class Checkpointer:
             self._rank_extras = RankExtras(process_group, [0, *sorted(copies)] if copies else None)
             initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state())
             if self.sharded and sharded.is_copy:  # its state is its source rank's chain's: it writes nothing
+                if self._compress and self.compressor is not None and sharded.committed is not None:
+                    # The source's residuals at the step the chain continues from (its writer
+                    # loads the same), so that both sparsify alike from the first step on.
+                    source = ChainReader(rank_location(self.path, sharded.copies[sharded.rank]),
+                                         storage_options=storage_options)
+                    load_anchor_residuals(source, sharded.committed, self.compressor)
                 commit_now(None, process_group, None)
                 self._passive = True
                 self._peer = ExtrasPeer(optimizer, self._rank_extras, start=step if step is not None else 0,
