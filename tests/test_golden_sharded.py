@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -148,3 +149,24 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return bool(a == b)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if n.startswith("1.4/")])
+@pytest.mark.filterwarnings("ignore::ldformat.ReplayEnvironmentWarning")
+def test_a_replica_of_a_chain_with_copy_ranks(name: str, tmp_path: Path) -> None:
+    """``sync`` copies ``sharded.json`` (its ``copies``), the rank chains that exist and the
+    commit records (spec §20.12); a second sync copies nothing."""
+    src = tmp_path / "src"
+    shutil.copytree(GOLDEN / name / "chain", src)
+    report = ldformat.sync(src, tmp_path / "dst")
+    assert report.sharded and len(report.ranks) == 1
+    assert sorted(p.name for p in (tmp_path / "dst" / "ranks").iterdir()) == ["00000"]
+    assert (tmp_path / "dst" / "sharded.json").read_bytes() == (src / "sharded.json").read_bytes()
+    assert ldformat.validate(tmp_path / "dst", deep=True).ok
+    a, b = ldformat.open_reader(src), ldformat.open_reader(tmp_path / "dst")
+    assert a.steps == b.steps
+    for step in a.steps:
+        x, y = a.materialize(step), b.materialize(step)
+        for key, value in x["model"].items():
+            assert torch.equal(bits(value), bits(y["model"][key])), (step, key)
+    assert ldformat.sync(src, tmp_path / "dst").objects_copied == 0
