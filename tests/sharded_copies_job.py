@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ddp_replicated_worker import Position
+from sharded_train import gather, load_gathered
 from torch import nn
 
 VOCAB = 13  # embedding rows: uneven shards (7/6 over the 2 shard ranks; 7/6 at FSDP world 2 too)
@@ -80,19 +82,6 @@ class CopyNet(nn.Module):
         h = self.embed(tokens) * self.gain
         h = h + self.down(self.drop(torch.relu(self.up(h))))
         return self.head(self.norm(h))
-
-
-class Position:
-    """A data position of this rank's own (what a StatefulDataLoader would be)."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank, self.seen = rank, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"rank": self.rank, "seen": self.seen}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.rank, self.seen = int(state["rank"]), int(state["seen"])
 
 
 def build(layout: str, world: int, rank: int) -> nn.Module:
@@ -136,33 +125,6 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, ra
     nn.functional.cross_entropy(model(x), y).backward()
     position.seen += BATCH
     optimizer.step()
-
-
-def _detach(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_detach(v) for v in obj]
-    return obj
-
-
-def gather(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The full live state keyed by FQN (collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-
-    options = StateDictOptions(full_state_dict=True)
-    if not optimizer.state:  # get_optimizer_state_dict would run a hidden step to create the state
-        names: dict[int, str] = {}
-        for n, p in model.named_parameters():
-            names.setdefault(id(p), n)
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        return {"model": _detach(get_model_state_dict(model, options=options)),
-                "optimizer": {"state": {}, "param_groups": _detach(groups)}}
-    msd, osd = get_state_dict(model, optimizer, options=options)
-    return {"model": _detach(msd), "optimizer": _detach(osd)}
 
 
 def local_shards(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -225,17 +187,8 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path) -> None:
                                        batch_steps=BATCH_STEPS, data=position, compressor=topk)
         until = int(spec["until"])
     elif kind == "load":
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         step = int(spec["step"])
-        full = torch.load(spec["load"], weights_only=True)["steps"][step]
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, full["model"], options=options)
-        set_optimizer_state_dict(model, optimizer, full["optimizer"], options=options)
+        load_gathered(model, optimizer, spec["load"], step)
         if spec.get("reseed"):
             torch.manual_seed(2000 + rank)
         record = Record(step)

@@ -188,6 +188,21 @@ def local_layout(model: nn.Module) -> dict[str, Any]:
     return out
 
 
+def load_gathered(model: nn.Module, optimizer: torch.optim.Optimizer, saved: str | Path, step: int) -> None:
+    """Load step ``step`` of a run's saved gathered full states (``"steps"``) into a model of any
+    layout with ``set_state_dict``: the reference that a resume from a chain is compared with."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    full = torch.load(saved, weights_only=True)["steps"][step]
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, full["model"], options=options)
+    set_optimizer_state_dict(model, optimizer, full["optimizer"], options=options)
+
+
 def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool = True) -> None:
     import ldformat
 
@@ -197,17 +212,8 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool
     if spec.get("resume"):
         step = ldformat.resume(spec["resume"], model, optimizer, step=spec.get("resume_step"))
     elif spec.get("load"):  # a gathered full state saved by an earlier run: the reference resume
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         step = int(spec["load_step"])
-        full = torch.load(spec["load"], weights_only=True)["steps"][step]
-        options = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, full["model"], options=options)
-        set_optimizer_state_dict(model, optimizer, full["optimizer"], options=options)
+        load_gathered(model, optimizer, spec["load"], step)
     elif spec.get("dcp"):  # a torch.distributed.checkpoint directory written by `ldtools materialize`
         from sharded_chain_maker import load_into
 

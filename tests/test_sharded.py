@@ -20,24 +20,23 @@ A run that fails in a worker fails only its own tests: the launch goes on with t
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import launching
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from launching import Launch
 from models import bits
 
 import ldformat
@@ -108,101 +107,12 @@ HSDP_REOPENED = [chain_run("hsdp-xor", "hsdp", "xor", "adamw"),
 W1_CHAINS = [chain_run("fsdp1-xor", "fsdp", "xor", "adamw")]
 
 
-# -- launching ---------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(world: int, outdir: Path, job: Path, timeout: float, tag: str) -> tuple[list[int | None], str]:
-    """One launch of ``world`` workers; as soon as one fails (or the time is up) kill the others."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
-    logs = [outdir / f"{tag}.rank{rank}.log" for rank in range(world)]
-    procs: list[subprocess.Popen[bytes]] = []
-    timed_out = False
-    try:
-        for rank, log in enumerate(logs):
-            with open(log, "w") as out:  # a file, not a pipe: a chatty worker can never block on it
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), "--rank", str(rank), "--world", str(world),
-                     "--out", str(outdir), "--job", str(job), *WORKER_ARGS],
-                    cwd=outdir, env=env, stdout=out, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:  # never leave a worker behind, whatever happened
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
-    text = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{log.read_text(errors='replace')[-6000:]}"
-                     for r, (p, log) in enumerate(zip(procs, logs, strict=True)) if log.exists())
-    if timed_out:
-        text = f"(killed after {timeout:.0f} s)\n{text}"
-    return [None if timed_out else p.returncode for p in procs], text
-
-
-@dataclass
-class Launch:
-    """The outputs of one world size's runs: ``outdir/<run>.rank<R>.pt`` per run and rank."""
-
-    outdir: Path
-    world: int
-    failed: dict[str, str] = field(default_factory=dict)  # run -> the workers' output
-    seconds: float = 0.0
-    _cache: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
-
-    def record(self, name: str, rank: int = 0) -> dict[str, Any]:
-        """What rank ``rank`` of run ``name`` saw: {"start", "layout", "steps": {step: gathered}}."""
-        if name in self.failed:
-            pytest.fail(f"run {name!r} failed in the workers (world {self.world}):\n{self.failed[name]}")
-        key = (name, rank)
-        if key not in self._cache:
-            self._cache[key] = torch.load(self.outdir / f"{name}.rank{rank}.pt", weights_only=True)
-        return self._cache[key]
-
-    def chain(self, name: str) -> Path:
-        self.record(name)
-        return self.outdir / name
-
-
-def _done(outdir: Path, world: int, name: str) -> bool:
-    return all((outdir / f"{name}.rank{r}.pt").exists() for r in range(world))
-
-
+# -- launching (tests/launching.py) ------------------------------------------------------------------
 def launch(outdir: Path, world: int, runs: list[dict[str, Any]], timeout: float) -> Launch:
     """Run ``runs`` in order on ``world`` workers. A run that fails is recorded and skipped, and
     the workers are started again for the runs after it (a lost race for the port is retried)."""
-    started = time.monotonic()
-    result = Launch(outdir, world)
-    for attempt in range(len(runs) + 3):
-        pending = [r for r in runs if r["name"] not in result.failed and not _done(outdir, world, r["name"])]
-        if not pending:
-            break
-        job = outdir / f"job{attempt}.json"
-        job.write_text(json.dumps(pending))
-        codes, text = _spawn(world, outdir, job, timeout, f"attempt{attempt}")
-        if codes == [0] * world:
-            continue
-        if os.strerror(errno.EADDRINUSE).lower() in text.lower() or "EADDRINUSE" in text:
-            continue
-        first = next((r["name"] for r in pending if not _done(outdir, world, r["name"])), None)
-        if first is None:
-            break
-        result.failed[first] = text
-    for r in runs:
-        if r["name"] not in result.failed and not _done(outdir, world, r["name"]):
-            result.failed[r["name"]] = "the run never completed (launch attempts used up)"
-    result.seconds = time.monotonic() - started
-    return result
+    return launching.launch(WORKER, outdir, world, runs, timeout, attempts=len(runs) + 3, stop_on_timeout=False,
+                            args=WORKER_ARGS)
 
 
 @pytest.fixture(scope="module")
