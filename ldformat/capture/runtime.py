@@ -60,7 +60,7 @@ from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
 from .resume import load_anchor_residuals, open_writer
 from .rng import capture_rng
-from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, commit_now, newest_committed, rank_budget
+from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, ShardedSetup, commit_now, newest_committed, rank_budget
 from .sharded import setup as sharded_setup
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
@@ -277,7 +277,7 @@ class Checkpointer:
                                     storage_options=storage_options, check=check)
             rank_lock = sharded.lock
             if sharded.copies and isinstance(whole_budget, int):  # split over the rank chains that exist
-                max_bytes = whole_budget // (sharded.world_size - len(sharded.copies))
+                max_bytes = whole_budget // len(sharded.chain_ranks)
             if step is not None and sharded.committed is not None and step != sharded.committed:
                 if rank_lock is not None:
                     rank_lock.release()
@@ -322,19 +322,8 @@ class Checkpointer:
             self._rank_extras = RankExtras(process_group, [0, *sorted(copies)] if copies else None)
             initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state())
             if self.sharded and sharded.is_copy:  # its state is its source rank's chain's: it writes nothing
-                if self._compress and self.compressor is not None and sharded.committed is not None:
-                    # The source's residuals at the step the chain continues from (its writer
-                    # loads the same), so that both sparsify alike from the first step on.
-                    source = ChainReader(rank_location(self.path, sharded.copies[sharded.rank]),
-                                         storage_options=storage_options)
-                    load_anchor_residuals(source, sharded.committed, self.compressor)
-                commit_now(None, process_group, None)
-                self._passive = True
-                self._peer = ExtrasPeer(optimizer, self._rank_extras, start=step if step is not None else 0,
-                                        scaler=scaler, data=self.sampler,
-                                        compress=(self.compressor, model) if self._compress and self.compressor
-                                        is not None else None)
-                self._rank_extras = None
+                self._peer = self._copy_rank_peer(sharded, self._rank_extras, storage_options, step)
+                self._passive, self._rank_extras = True, None
                 return
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
@@ -355,8 +344,7 @@ class Checkpointer:
             self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
             if self.sharded:
                 if sharded.rank == 0:
-                    self._committer = Committer(self.path, [r for r in range(sharded.world_size) if r not in copies],
-                                                storage_options, self.stats)
+                    self._committer = Committer(self.path, sharded.chain_ranks, storage_options, self.stats)
                 commit_now(self._committer, process_group, self.writer.durable_step)
                 self.writer.retain_at_most = newest_committed(self.path, storage_options)
         except BaseException as e:
@@ -411,6 +399,23 @@ class Checkpointer:
                                             else self._mirror.committed if self._mirror is not None else None)
         self._queue, self._thread = self._background.queue, self._background.thread
         open_at_exit.add(self)
+
+    def _copy_rank_peer(self, sharded: ShardedSetup, extras: RankExtras, storage_options: dict[str, Any] | None,
+                        step: int | None) -> ExtrasPeer:
+        """A copy rank's side (spec §20.2 ``copies``): it joins the opening's last collective and
+        then only sends rank 0 its RNG states and data position; in ``lowdiff`` it sparsifies
+        its gradient as its source does, from the source's residuals at the step the chain
+        continues from (which the source's writer loads too)."""
+        compress = None
+        if self._compress and self.compressor is not None:
+            if sharded.committed is not None:
+                source = ChainReader(rank_location(self.path, sharded.copies[sharded.rank]),
+                                     storage_options=storage_options)
+                load_anchor_residuals(source, sharded.committed, self.compressor)
+            compress = (self.compressor, self.model)
+        commit_now(None, self.process_group, None)
+        return ExtrasPeer(self.optimizer, extras, start=step if step is not None else 0, scaler=self.scaler,
+                          data=self.sampler, compress=compress)
 
     @property
     def anchor_every(self) -> int:

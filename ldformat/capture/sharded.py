@@ -62,6 +62,11 @@ class ShardedSetup:
     copies: dict[int, int]  # the copy ranks (spec §20.2): they write no rank chain
 
     @property
+    def chain_ranks(self) -> list[int]:
+        """The ranks that write a rank chain: every rank but the copy ranks."""
+        return [r for r in range(self.world_size) if r not in self.copies]
+
+    @property
     def is_copy(self) -> bool:
         """Whether this rank is a copy rank: its state is in a lower rank's chain."""
         return self.rank in self.copies
