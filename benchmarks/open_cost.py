@@ -19,12 +19,19 @@ Two variants, each its own chain (written one after the other):
   RNG states (``ldformat.capture.rng.capture_rng``), a scheduler, a sampler position and the
   policy, about 17 KB of tagged JSON per step.
 
-``--snapshots off`` disables the writer's own snapshots (the behaviour before they existed),
-for a before/after comparison::
+``--snapshots`` picks the writer's snapshots:
 
-    python -m benchmarks.open_cost                      # after: writer snapshots on (default)
-    python -m benchmarks.open_cost --snapshots off      # before
-    python -m benchmarks.open_cost --max-n 1000 --variants plain   # quicker
+- ``segmented`` (the default, as a 1.5 chain is written): segmented snapshots (spec §7.9), whose
+  record holds one reference per segment;
+- ``inline``: a 1.4 chain with the same policy; each snapshot restates every step entry inline;
+- ``off``: no writer snapshots; an open folds every record::
+
+    python -m benchmarks.open_cost                                   # segmented (the default)
+    python -m benchmarks.open_cost --snapshots inline --max-n 1000   # before 1.5
+    python -m benchmarks.open_cost --max-n 1000 --variants plain     # quicker
+
+Besides the open it times an open followed by the materialization of the latest step (which
+reads the segments holding its replay path), so that laziness is not mistaken for speed.
 
 Results are printed as a markdown table and, with ``--out``, written to that file.
 """
@@ -81,7 +88,7 @@ def _log_sizes(chain: Path) -> dict[str, Any]:
             "tail_bytes": tail_b}
 
 
-def run_variant(name: str, checkpoints: list[int], workdir: Path, snapshots: bool, reps: int,
+def run_variant(name: str, checkpoints: list[int], workdir: Path, snapshots: str, reps: int,
                 log: Callable[[str], None]) -> list[dict[str, Any]]:
     from ldformat import ChainReader, ChainWriter, ResumableSampler
     from ldformat.capture.extra import loop_extra
@@ -98,8 +105,10 @@ def run_variant(name: str, checkpoints: list[int], workdir: Path, snapshots: boo
     it = iter(sampler)
     x, y = torch.randn(16, 8), torch.randn(16, 4)
     chain = workdir / f"chain-{name}"
-    writer = ChainWriter.create(chain, model, opt, kind="grad.dense", batch_steps=1)
-    writer.snapshot_policy = SnapshotPolicy() if snapshots else None
+    # An anchor every 100 steps bounds the replay of the latest step, as in a real run.
+    writer = ChainWriter.create(chain, model, opt, kind="grad.dense", batch_steps=1, anchor_every=100,
+                                format_version="1.4" if snapshots == "inline" else "1.5")
+    writer.snapshot_policy = None if snapshots == "off" else SnapshotPolicy()
     commit_ms: list[float] = []
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
@@ -121,15 +130,18 @@ def run_variant(name: str, checkpoints: list[int], workdir: Path, snapshots: boo
         if step in checkpoints:
             build_s = time.perf_counter() - started
             open_ms = _median_ms(lambda: ChainReader(chain), reps)
+            latest_ms = _median_ms(lambda: ChainReader(chain).materialize(), reps)
             reader = ChainReader(chain)
             assert reader.latest_step == step and len(reader.steps) == step + 1, (reader.latest_step, step)
             window = commit_ms[-max(1, min(len(commit_ms), step // 2)):]
             sizes = _log_sizes(chain)
-            row = {"variant": name, "n": step, "open_ms": open_ms, "commit_median_ms": statistics.median(window),
+            row = {"variant": name, "n": step, "open_ms": open_ms, "latest_ms": latest_ms,
+                   "segments": len(reader.state.segments), "commit_median_ms": statistics.median(window),
                    "commit_p99_ms": _p99(window), "commit_max_ms": max(commit_ms), "build_s": build_s,
                    **sizes}
             rows.append(row)
-            log(f"  {name:5} N={step:>6}: open {open_ms:8.1f} ms, commit median {row['commit_median_ms']:.2f} ms "
+            log(f"  {name:5} N={step:>6}: open {open_ms:8.1f} ms, open+latest {latest_ms:8.1f} ms, "
+                f"commit median {row['commit_median_ms']:.2f} ms "
                 f"p99 {row['commit_p99_ms']:.2f} max {row['commit_max_ms']:.1f}, snapshot {sizes['snapshot_bytes']} B "
                 f"(seq {sizes['snapshot_seq']}), tail {sizes['tail_records']} records / {sizes['tail_bytes']} B, "
                 f"built in {build_s:.0f} s")
@@ -138,16 +150,19 @@ def run_variant(name: str, checkpoints: list[int], workdir: Path, snapshots: boo
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, total_s: float) -> str:
-    head = ("| variant | N commits | open ms (median) | commit ms median / p99 | worst commit ms | newest snapshot "
-            "bytes | tail records / bytes | build s |\n|---|---|---|---|---|---|---|---|")
+    head = ("| variant | N commits | open ms (median) | open + materialize latest ms | commit ms median / p99 | "
+            "worst commit ms | newest snapshot bytes | segments | tail records / bytes | build s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         lines.append(
-            f"| {r['variant']} | {r['n']:,} | {r['open_ms']:.1f} | {r['commit_median_ms']:.2f} / "
+            f"| {r['variant']} | {r['n']:,} | {r['open_ms']:.1f} | {r['latest_ms']:.1f} | "
+            f"{r['commit_median_ms']:.2f} / "
             f"{r['commit_p99_ms']:.2f} | {r['commit_max_ms']:.1f} | "
-            f"{r['snapshot_bytes']:,} | {r['tail_records']:,} / {r['tail_bytes']:,} | {r['build_s']:.0f} |")
+            f"{r['snapshot_bytes']:,} | {r['segments']:,} | {r['tail_records']:,} / {r['tail_bytes']:,} | "
+            f"{r['build_s']:.0f} |")
     env = (f"Python {platform.python_version()}, torch {torch.__version__}, {platform.machine()}; "
-           f"writer snapshots {'on' if args.snapshots == 'on' else 'off'}; open = median of {args.reps}; "
+           f"writer snapshots: {args.snapshots}; open = median of {args.reps}; "
            f"commit window = the last N/2 commits before N; total {total_s:.0f} s.")
     cmd = "python -m benchmarks.open_cost " + " ".join(sys.argv[1:])
     return "\n".join(lines) + "\n\n" + env + f"\n\nCommand: `{cmd.strip()}`\n"
@@ -157,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-n", type=int, default=10_000)
     p.add_argument("--variants", default="plain,extra")
-    p.add_argument("--snapshots", choices=["on", "off"], default="on")
+    p.add_argument("--snapshots", choices=["segmented", "inline", "off"], default="segmented")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=None, help="write the markdown table here")
@@ -168,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         for name in args.variants.split(","):
-            rows += run_variant(name, checkpoints, Path(tmp), args.snapshots == "on", args.reps, print)
+            rows += run_variant(name, checkpoints, Path(tmp), args.snapshots, args.reps, print)
     text = report(rows, args, time.perf_counter() - started)
     print(text)
     if args.out is not None:

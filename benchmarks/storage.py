@@ -57,7 +57,8 @@ def chain_bytes(chain: str | os.PathLike[str]) -> dict[str, Any]:
             if slot.encoding == "sparse":
                 raw_indices += n * 4  # int32 index per kept element
                 n_sparse += n
-    log_sizes = {p: reader.store.size(p) for p in reader.store.list("log")}
+    # Segments (spec §7.9) hold the step entries that snapshot records restate: log metadata too.
+    log_sizes = {p: reader.store.size(p) for p in reader.store.list("log") + reader.store.list("segments")}
     records = reader.records
     anchor_records = [r for r in records if r.anchors]
     delta_records = [r for r in records if r.deltas and not r.anchors]

@@ -20,6 +20,7 @@ import numpy as np
 from .anchor import anchor_parts, write_anchor_parts
 from .delta import Segment, encode_batch
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
+from .fold import ChainState
 from .jsonvalue import object_checksum_parts
 from .log import (
     LOCK_DIR,
@@ -27,13 +28,13 @@ from .log import (
     anchor_object_path,
     batch_group_path,
     collect_garbage,
-    commit_record,
     garbage,
     open_log_for_write,
 )
-from .manifest import AnchorEntry, ChainState, DeltaEntry, ObjectRef, SlotInfo, StepEntry
+from .manifest import AnchorEntry, DeltaEntry, ObjectRef, SlotInfo, StepEntry
 from .reader import ChainReader
 from .sharded import is_sharded_location, refuse_sharded
+from .snapshots import plan_segments, segments_allowed, snapshot_or_unchanged
 from .stores import Store
 
 log = logging.getLogger("ldformat.compact")
@@ -262,6 +263,9 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
         # leftovers already there (spec §7.5). New anchors and merged deltas do not exist yet.
         new_state = _planned_state(state, kept_anchors, keep_delta)
         new_state.first_seq = new_state.last_seq = state.last_seq + 1
+        if segments_allowed(reader.root.format_version):  # the segments the snapshot would keep
+            new_state.segments = tuple(plan_segments(state, [state.anchors[s] for s in sorted(kept_anchors)],
+                                                     state.restated_deltas(keep_delta))[0])
         plan.removed_objects = [p for p in garbage(reader.store, new_state) if not p.startswith(LOCK_DIR + "/")]
         return plan
 
@@ -368,11 +372,8 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
 
 def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[AnchorEntry], deltas: list[DeltaEntry],
                      reason: str) -> None:
-    try:
-        commit_record(reader.store, reader.path, reader.state, lock, type="snapshot", reason=reason,
-                      anchors=anchors, deltas=deltas)
-    except ChainError as e:
-        raise type(e)(f"{e}; the chain is unchanged") from None
+    snapshot_or_unchanged(reader.store, reader.path, reader.state, lock, reason=reason,
+                          segmented=segments_allowed(reader.root.format_version), anchors=anchors, deltas=deltas)
 
 
 def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = None,

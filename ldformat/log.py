@@ -32,16 +32,19 @@ from .errors import (
     CorruptChainError,
     FormatError,
     LockLostError,
+    MissingObjectError,
     NotAChainError,
     WriterIOError,
 )
-from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, parse_json
-from .manifest import AnchorEntry, ChainState, DeltaEntry, Record, RootMetadata
+from .fold import ChainState, SegmentReader
+from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, object_checksum, parse_json
+from .manifest import AnchorEntry, DeltaEntry, Record, RootMetadata, Segment, SegmentRef
 from .stores import ObjectTooLargeError, Store
 
 ROOT_FILE = "ldformat.json"
 LOG_DIR = "log"
 LOCK_DIR = "lock"
+SEGMENT_DIR = "segments"
 LEGACY_LOCK_FILE = "writer.lock"  # format 1.0 writers' lock (spec §15.5)
 _LOG_NAME = re.compile(r"^log/(\d{12})\.json$")
 _LOCK_NAME = re.compile(r"^lock/(\d{12})\.json$")
@@ -184,7 +187,7 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
     used = seqs[start_index:]
     if records[used[0]].type != "snapshot" and used[0] != 1:
         raise CorruptChainError(f"{where}/{log_path(1)}: the log does not start at record 1 and has no snapshot")
-    state = ChainState(first_seq=used[0])
+    state = ChainState(first_seq=used[0], read_segment=segment_reader(store, where))
     out = []
     prev: str | None = None
     for expected, seq in enumerate(used, start=used[0]):
@@ -199,6 +202,31 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
         prev = rec.checksum
         out.append(rec)
     return out, state
+
+
+def segment_reader(store: Store, where: str) -> SegmentReader:
+    """Reads a segment a fold references: verified before it is parsed (spec §7.6, §7.9)."""
+
+    def read(ref: SegmentRef) -> Segment:
+        path = ref.object.path
+        w = f"{where}/{path}"
+        try:
+            data = store.read_buffer(path, max_size=ref.object.size)
+        except ObjectTooLargeError as e:
+            raise CorruptChainError(f"{w}: size {e.size} differs from the committed {ref.object.size}") from None
+        except FileNotFoundError:
+            raise MissingObjectError(
+                f"{w}: segment is missing (deleted or never synced); restore it from a copy, or truncate the "
+                "chain before the steps it holds") from None
+        except (IsADirectoryError, NotADirectoryError):
+            raise CorruptChainError(f"{w}: expected a file, found a directory") from None
+        if len(data) != ref.object.size:
+            raise CorruptChainError(f"{w}: size {len(data)} differs from the committed {ref.object.size} (truncated?)")
+        if object_checksum(path, data) != ref.object.crc32c:
+            raise CorruptChainError(f"{w}: crc32c mismatch (the segment was modified or damaged)")
+        return Segment.from_bytes(data.tobytes(), w)
+
+    return read
 
 
 def read_record(store: Store, seq: int, where: str) -> Record:
@@ -510,6 +538,7 @@ def commit_record(
     reason: str,
     anchors: Sequence[AnchorEntry] = (),
     deltas: Sequence[DeltaEntry] = (),
+    segments: Sequence[SegmentRef] = (),
 ) -> Record:
     """Create the next record exclusively and fold it into ``state`` (spec §7.4 steps 3-5).
 
@@ -528,6 +557,7 @@ def commit_record(
         reason=reason,
         anchors=tuple(sorted(anchors, key=lambda a: a.step)) if type == "snapshot" else tuple(anchors),
         deltas=tuple(deltas),
+        segments=tuple(segments),
     )
     doc = record.to_dict()
     data = canonical(doc) + b"\n"
@@ -602,7 +632,7 @@ def garbage(store: Store, state: ChainState, lock: WriterLock | None = None) -> 
     the next sequence number, a lock generation's below ours, the root's once the root exists.
     """
     referenced = state.referenced_objects()
-    out = [p for prefix in ("anchors", "deltas") for p in store.list(prefix) if p not in referenced]
+    out = [p for prefix in ("anchors", "deltas", SEGMENT_DIR) for p in store.list(prefix) if p not in referenced]
     for p in store.list(LOG_DIR):
         name = p.split("/", 1)[1]
         m = _TMP_NAME.match(name)

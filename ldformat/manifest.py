@@ -1,7 +1,8 @@
-"""Root metadata and commit records (spec §5 "Root metadata", §7.1-§7.3, §9.3, §10.3-§10.4).
+"""Root metadata, commit records and segments (spec §5 "Root metadata", §7.1-§7.3, §7.9, §9.3,
+§10.3-§10.4).
 
-This module parses and validates the root file and records, and folds records into a
-:class:`ChainState`; it does no I/O and no tensor work. Reading them from storage, creating
+This module parses and validates the root file, records and segment objects; it does no I/O
+and no tensor work. Folding records is :mod:`ldformat.fold`. Reading them from storage, creating
 them and everything else about committing lives in :mod:`ldformat.log`.
 """
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, Literal, TypeVar, get_args
 
 from .errors import CorruptChainError, FormatError, NotAChainError, UnsupportedVersionError
@@ -28,10 +30,13 @@ from .jsonvalue import (
 from .stores import check_relative_path
 
 FORMAT_NAME = "ldformat"
-FORMAT_VERSION = "1.2"  # what an ordinary chain is written as
-#: The newest format this package reads and writes: 1.3 adds sharded chains (spec §20), whose
-#: rank chains are written as 1.3 so that older writers refuse to touch one on its own.
-NEWEST_VERSION = "1.3"
+#: What an ordinary chain (and a rank chain of a sharded chain) is written as: 1.5 adds segmented
+#: snapshots (spec §7.9), which older readers refuse.
+FORMAT_VERSION = "1.5"
+#: The newest format this package reads and writes. 1.3 added sharded chains (spec §20), 1.4
+#: copy ranks in their roots, 1.5 segments.
+NEWEST_VERSION = "1.5"
+SEGMENTS_VERSION = "1.5"  # the first version whose chains may hold segments
 FORMAT_MAJOR = 1
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
@@ -294,6 +299,121 @@ class DeltaEntry:
         )
 
 
+#: A set of steps as maximal inclusive ranges ``(first, last)``, ascending (spec §7.9).
+Ranges = tuple[tuple[int, int], ...]
+#: Every entry of a segment takes more than this many bytes of JSON, so a reference can list at
+#: most ``size // SEGMENT_BYTES_PER_STEP`` steps (spec §21.4).
+SEGMENT_BYTES_PER_STEP = 64
+#: The references of one record list at most this many steps in all (spec §21.4).
+MAX_LISTED_STEPS = 1 << 24
+
+
+def ranges_of(steps: Iterable[int]) -> Ranges:
+    """The maximal ranges of ``steps``."""
+    out: list[tuple[int, int]] = []
+    for s in sorted(set(steps)):
+        if out and s == out[-1][1] + 1:
+            out[-1] = (out[-1][0], s)
+        else:
+            out.append((s, s))
+    return tuple(out)
+
+
+def range_count(ranges: Ranges) -> int:
+    return sum(last - first + 1 for first, last in ranges)
+
+
+def expand(ranges: Ranges) -> list[int]:
+    return [s for first, last in ranges for s in range(first, last + 1)]
+
+
+def _ranges(doc: Mapping[str, JSON], key: str, where: str) -> Ranges:
+    out: list[tuple[int, int]] = []
+    for r in require_list(doc, key, where):
+        if not (isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                             for x in r)):
+            raise CorruptChainError(f"{where}: {key} holds {r!r}, not a range [first, last] (spec §7.9)")
+        first, last = r[0], r[1]
+        assert isinstance(first, int) and isinstance(last, int)
+        if not 0 <= first <= last or (out and first <= out[-1][1] + 1):
+            raise CorruptChainError(
+                f"{where}: {key} is not an ascending list of maximal ranges at {r!r} (spec §7.9)")
+        out.append((first, last))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SegmentRef:
+    """A segment object and the steps it contributes to a snapshot's fold (spec §7.9)."""
+
+    object: ObjectRef
+    anchor_steps: Ranges
+    delta_steps: Ranges
+
+    @property
+    def listed(self) -> int:
+        return range_count(self.anchor_steps) + range_count(self.delta_steps)
+
+    def to_dict(self) -> JSONObject:
+        return {**self.object.to_dict(), "anchor_steps": [list(r) for r in self.anchor_steps],
+                "delta_steps": [list(r) for r in self.delta_steps]}
+
+    @classmethod
+    def from_dict(cls, d: JSON, where: str) -> SegmentRef:
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: segment reference is not an object")
+        check_fields(d, {"path", "size", "crc32c", "anchor_steps", "delta_steps"}, where)
+        ref = ObjectRef.from_dict({k: d.get(k) for k in ("path", "size", "crc32c") if k in d}, where)
+        if not ref.path.startswith("segments/"):
+            raise CorruptChainError(f"{where}: segment reference names {ref.path!r}, outside segments/ (spec §7.9)")
+        w = f"{where} segment {ref.path}"
+        seg = cls(object=ref, anchor_steps=_ranges(d, "anchor_steps", w), delta_steps=_ranges(d, "delta_steps", w))
+        # Bound what the ranges claim before anything expands them (spec §21.4).
+        if seg.listed == 0 or seg.listed > ref.size // SEGMENT_BYTES_PER_STEP:
+            raise CorruptChainError(
+                f"{w}: lists {seg.listed} steps, which a segment of {ref.size} bytes cannot hold (spec §7.9, §21.4)")
+        return seg
+
+
+def _disjoint(lists: Iterable[Ranges], inline: Iterable[int], what: str, where: str) -> None:
+    """Spec §7.9 S1: the ranges of a record's references, and its own entries' steps, never overlap."""
+    spans = sorted([r for rs in lists for r in rs] + [(s, s) for s in inline])
+    for (_, last), (first, _) in pairwise(spans):
+        if first <= last:
+            raise CorruptChainError(f"{where}: step {first} is listed twice among the snapshot's {what} (spec §7.9)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """A segment object: restated anchor and delta entries (spec §7.9)."""
+
+    anchors: tuple[AnchorEntry, ...]
+    deltas: tuple[DeltaEntry, ...]
+
+    def to_bytes(self) -> bytes:
+        return canonical({"anchors": [a.to_dict() for a in self.anchors],
+                          "deltas": [d.to_dict() for d in self.deltas]}) + b"\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Segment:
+        """Parse a segment whose size and crc32c were verified (spec §7.6)."""
+        d: JSON = parse_json(data, where, max_bytes=MAX_RECORD_BYTES)
+        if not isinstance(d, dict):
+            raise CorruptChainError(f"{where}: segment is not a JSON object")
+        if canonical(d) + b"\n" != bytes(data):
+            raise FormatError(f"{where}: the segment is not in canonical form followed by one LF (spec §7.9)")
+        check_fields(d, {"anchors", "deltas"}, where)
+        seg = cls(anchors=tuple(AnchorEntry.from_dict(a, where) for a in require_list(d, "anchors", where)),
+                  deltas=tuple(DeltaEntry.from_dict(x, where) for x in require_list(d, "deltas", where)))
+        steps = [a.step for a in seg.anchors]
+        if len(set(steps)) != len(steps):
+            raise CorruptChainError(f"{where}: two anchor entries of one step (spec §7.9)")
+        steps = [s.step for x in seg.deltas for s in x.steps]
+        if len(set(steps)) != len(steps):
+            raise CorruptChainError(f"{where}: two step entries of one step (spec §7.9)")
+        return seg
+
+
 @dataclass(frozen=True, kw_only=True)
 class Record:
     """One commit record. ``append`` adds entries; ``snapshot`` states the whole chain."""
@@ -307,20 +427,23 @@ class Record:
     anchors: tuple[AnchorEntry, ...]
     deltas: tuple[DeltaEntry, ...]
     checksum: str = ""
+    #: Snapshot records of 1.5 chains: segments holding restated entries (spec §7.9).
+    segments: tuple[SegmentRef, ...] = ()
 
     def to_dict(self) -> JSONObject:
-        return with_checksum(
-            {
-                "seq": self.seq,
-                "type": self.type,
-                "prev": self.prev,
-                "time": self.time,
-                "writer": self.writer,
-                "reason": self.reason,
-                "anchors": [a.to_dict() for a in self.anchors],
-                "deltas": [d.to_dict() for d in self.deltas],
-            }
-        )
+        d: JSONObject = {
+            "seq": self.seq,
+            "type": self.type,
+            "prev": self.prev,
+            "time": self.time,
+            "writer": self.writer,
+            "reason": self.reason,
+            "anchors": [a.to_dict() for a in self.anchors],
+            "deltas": [d.to_dict() for d in self.deltas],
+        }
+        if self.segments:
+            d["segments"] = [g.to_dict() for g in self.segments]
+        return with_checksum(d)
 
     def to_bytes(self) -> bytes:
         return canonical(self.to_dict()) + b"\n"
@@ -331,14 +454,25 @@ class Record:
         if not isinstance(d, dict):
             raise CorruptChainError(f"{where}: record is not a JSON object")
         _verify_record_bytes(d, bytes(data), where)
-        check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum"}, where)
+        check_fields(d, {"seq", "type", "prev", "time", "writer", "reason", "anchors", "deltas", "checksum",
+                         "segments"}, where)
         rtype = require(d, "type", str, where)
         if rtype not in RECORD_TYPES:
             raise UnsupportedVersionError(f"{where}: unknown record type {rtype!r}")
         prev = d.get("prev")
         if prev is not None and not isinstance(prev, str):
             raise CorruptChainError(f"{where}: malformed prev")
-        return cls(
+        segments: tuple[SegmentRef, ...] = ()
+        if "segments" in d:
+            if rtype != "snapshot":
+                raise CorruptChainError(f"{where}: an {rtype} record with segments (spec §7.9: snapshots only)")
+            listed = require_list(d, "segments", where)
+            if not listed:
+                raise CorruptChainError(f"{where}: an empty segments list (spec §7.9: absent when empty)")
+            segments = tuple(SegmentRef.from_dict(g, where) for g in listed)
+            if sum(g.listed for g in segments) > MAX_LISTED_STEPS:
+                raise CorruptChainError(f"{where}: the segments list more than {MAX_LISTED_STEPS} steps (spec §21.4)")
+        record = cls(
             seq=require(d, "seq", int, where),
             type=rtype,
             prev=prev,
@@ -348,7 +482,13 @@ class Record:
             anchors=tuple(AnchorEntry.from_dict(a, where) for a in require_list(d, "anchors", where)),
             deltas=tuple(DeltaEntry.from_dict(x, where) for x in require_list(d, "deltas", where)),
             checksum=require(d, "checksum", str, where),
+            segments=segments,
         )
+        if segments:
+            _disjoint([g.anchor_steps for g in segments], [a.step for a in record.anchors], "anchors", where)
+            _disjoint([g.delta_steps for g in segments], [s.step for x in record.deltas for s in x.steps],
+                      "delta steps", where)
+        return record
 
 
 def _verify_record_bytes(d: JSONObject, data: bytes, where: str) -> None:
@@ -434,90 +574,3 @@ class RootMetadata:
             schema=require_object(d, "schema", where),
             environment=require_object(d, "environment", where),
         )
-
-
-@dataclass
-class ChainState:
-    """The visible content of a chain after folding the log."""
-
-    anchors: dict[int, AnchorEntry] = field(default_factory=dict)
-    deltas: dict[int, tuple[DeltaEntry, StepEntry]] = field(default_factory=dict)
-    last_seq: int = 0
-    last_checksum: str | None = None
-    first_seq: int = 1
-    #: Bytes of the record the fold starts at, when it is a snapshot (0 otherwise), and the
-    #: number and bytes of the records folded after it: what the next open reads (spec §7.3).
-    #: Only records folded with their size count (:func:`ldformat.log.read_log` and
-    #: :func:`ldformat.log.commit_record` pass it); a writer uses them to decide when to write
-    #: a snapshot (spec §7.8).
-    start_bytes: int = 0
-    tail_records: int = 0
-    tail_bytes: int = 0
-
-    @property
-    def steps(self) -> list[int]:
-        return sorted(set(self.anchors) | set(self.deltas))
-
-    @property
-    def latest_step(self) -> int | None:
-        steps = self.steps
-        return steps[-1] if steps else None
-
-    def restated_deltas(self, steps: Iterable[int]) -> list[DeltaEntry]:
-        """Delta entries that restate the committed ``steps`` (delta steps of this state), each
-        batch with exactly those of its step entries, unchanged: what a snapshot record lists
-        for the deltas it keeps (spec §7.8, §16, §17.3)."""
-        by_path: dict[str, tuple[DeltaEntry, list[StepEntry]]] = {}
-        for s in sorted(steps):
-            entry, step_entry = self.deltas[s]
-            by_path.setdefault(entry.path, (entry, []))[1].append(step_entry)
-        return [DeltaEntry(path=e.path, objects=e.objects, slots=e.slots, rows=e.rows, steps=tuple(kept))
-                for e, kept in by_path.values()]
-
-    def apply(self, record: Record, size: int = 0) -> None:
-        """Fold ``record`` (spec §7.3 step 4); ``size``: its length in bytes, if known."""
-        if record.type == "snapshot":
-            self.anchors.clear()
-            self.deltas.clear()
-            self.first_seq = record.seq  # every earlier record is superseded (spec §7.3 step 2)
-            self.start_bytes, self.tail_records, self.tail_bytes = size, 0, 0
-        else:
-            self.tail_records += 1
-            self.tail_bytes += size
-        for a in record.anchors:
-            self.anchors[a.step] = a
-        for d in record.deltas:
-            for s in d.steps:
-                self.deltas[s.step] = (d, s)
-        self.last_seq = record.seq
-        self.last_checksum = record.checksum
-
-    def referenced_objects(self) -> set[str]:
-        refs = {a.object.path for a in self.anchors.values()}
-        for d, _ in self.deltas.values():
-            refs.update(f"{d.path}/{o.path}" for o in d.objects)
-        return refs
-
-    def referenced_bytes(self) -> int:
-        """The bytes of every object the chain references (their sizes as recorded)."""
-        total = sum(a.object.size for a in self.anchors.values())
-        return total + sum(o.size for d in self.delta_entries() for o in d.objects)
-
-    def delta_entries(self) -> list[DeltaEntry]:
-        seen: dict[str, DeltaEntry] = {}
-        for d, _ in self.deltas.values():
-            seen.setdefault(d.path, d)
-        return list(seen.values())
-
-    def replay_path(self, step: int) -> tuple[int, list[int]]:
-        """Return (anchor step, delta steps to apply in order) that materialize ``step``."""
-        chain: list[int] = []
-        s = step
-        while s not in self.anchors:
-            entry = self.deltas.get(s)
-            if entry is None:
-                raise CorruptChainError(f"step {step} is not reachable: no anchor or delta for step {s}")
-            chain.append(s)
-            s = entry[1].base
-        chain.reverse()
-        return s, chain

@@ -325,6 +325,7 @@ class ChainReader:
     def bytes_on_disk(self) -> int:
         total = sum(a.object.size for a in self.state.anchors.values())
         total += sum(o.size for d in self.state.delta_entries() for o in d.objects)
+        total += sum(g.object.size for g in self.state.segments)
         for p in self.store.list("log"):
             try:
                 total += self.store.size(p)

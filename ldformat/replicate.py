@@ -39,11 +39,13 @@ from .errors import (
     MissingObjectError,
     UsageError,
 )
+from .fold import ChainState
 from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum, object_checksum_parts
 from .log import (
     LOCK_DIR,
     LOG_DIR,
     ROOT_FILE,
+    SEGMENT_DIR,
     MissingLogRecord,
     WriterLock,
     collect_garbage,
@@ -54,8 +56,9 @@ from .log import (
     log_sequence_numbers,
     read_bounded,
     read_log,
+    segment_reader,
 )
-from .manifest import ChainState, ObjectRef, Record, RootMetadata
+from .manifest import ObjectRef, Record, RootMetadata, Segment, SegmentRef, expand
 from .reader import ChainReader
 from .sharded import (
     is_sharded,
@@ -409,12 +412,14 @@ class ChainSync:
         self.progress = progress
         self.workers = workers
         self.lock: WriterLock | None = None
-        self.state = ChainState()  # the replica's fold, kept current as records are copied
+        # The replica's fold, kept current as records are copied.
+        self.state = ChainState(read_segment=segment_reader(dst, dst_name))
         self.has_root = False
         #: Objects the replica's committed records reference (or referenced during this call:
         #: nothing deletes them before the garbage collection at the end), with their
         #: reference, so that they are neither read back nor overwritten.
         self.committed: dict[str, ObjectRef] = {}
+        self._segments: dict[str, Segment] = {}  # the source's segments read during this call
         self.fenced = True
         self.present: set[str] = set()  # objects under anchors/ and deltas/ when the copy started
         self.done_bytes = 0
@@ -431,7 +436,8 @@ class ChainSync:
         """
         paths = self._list("")
         records = [p for p in paths if p.startswith(f"{LOG_DIR}/") and not p.split("/")[-1].startswith(".tmp-")]
-        other = [p for p in paths if not p.startswith((f"{LOG_DIR}/", f"{LOCK_DIR}/", "anchors/", "deltas/"))
+        other = [p for p in paths if not p.startswith((f"{LOG_DIR}/", f"{LOCK_DIR}/", "anchors/", "deltas/",
+                                                        f"{SEGMENT_DIR}/"))
                  and not p.startswith(f".tmp-{ROOT_FILE}-")]
         numbered = log_sequence_numbers(self.dst)
         if other or len(records) != len(numbered) or len(numbered) > 1:
@@ -496,7 +502,7 @@ class ChainSync:
                                         "sync again")
             # Unverifiable, but the snapshot the copy starts with supersedes it on the replica
             # too. It is left in place: only a fenced lock holder deletes (spec §17.5).
-            self.state = ChainState(last_seq=seq, first_seq=seq)
+            self.state = ChainState(last_seq=seq, first_seq=seq, read_segment=segment_reader(self.dst, self.dst_name))
             return
         if mine != theirs:
             raise self._diverged(seq, "its bytes differ")
@@ -511,7 +517,7 @@ class ChainSync:
         self._create_root()
 
     def _index_all(self) -> None:
-        self.committed = {}
+        self.committed = {g.object.path: g.object for g in self.state.segments}
         for a in self.state.anchors.values():
             self.committed[a.object.path] = a.object
         for d in self.state.delta_entries():
@@ -594,7 +600,7 @@ class ChainSync:
         if not plans:
             return
         # One listing instead of a request per object to learn which ones are there already.
-        self.present = set(self._list("anchors")) | set(self._list("deltas"))
+        self.present = set(self._list("anchors")) | set(self._list("deltas")) | set(self._list(SEGMENT_DIR))
         with ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="ldformat-sync") as pool:
             try:
                 for record, objects in plans:
@@ -603,17 +609,34 @@ class ChainSync:
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
 
-    @staticmethod
-    def _objects(record: Record) -> list[tuple[str, ObjectRef, str]]:
-        """Every object ``record`` references: (chain-relative path, reference, group prefix)."""
+    def _objects(self, record: Record) -> list[tuple[str, ObjectRef, str]]:
+        """Every object ``record`` references: (chain-relative path, reference, group prefix);
+        for a snapshot with segments, the segments and the objects of the entries they
+        contribute (read from the source, verified, spec §7.9)."""
         out: dict[str, tuple[str, ObjectRef, str]] = {}
-        for a in record.anchors:
+        anchors, deltas = list(record.anchors), list(record.deltas)
+        for ref in record.segments:
+            out.setdefault(ref.object.path, (ref.object.path, ref.object, ""))
+            try:
+                segment = self._read_segment(ref)
+            except MissingObjectError as e:
+                raise _SourceMoved(e) from None
+            listed_anchors, listed_deltas = set(expand(ref.anchor_steps)), set(expand(ref.delta_steps))
+            anchors += [a for a in segment.anchors if a.step in listed_anchors]
+            deltas += [d for d in segment.deltas if any(s.step in listed_deltas for s in d.steps)]
+        for a in anchors:
             out.setdefault(a.object.path, (a.object.path, a.object, ""))
-        for d in record.deltas:
+        for d in deltas:
             for o in d.objects:
                 path = f"{d.path}/{o.path}"
                 out.setdefault(path, (path, o, d.path))
         return list(out.values())
+
+    def _read_segment(self, ref: SegmentRef) -> Segment:
+        cached = self._segments.get(ref.object.path)
+        if cached is None:
+            cached = self._segments[ref.object.path] = segment_reader(self.reader.store, self.src_name)(ref)
+        return cached
 
     def _copy_record(self, pool: ThreadPoolExecutor, record: Record, objects: list[tuple[str, ObjectRef, str]]
                      ) -> None:

@@ -80,6 +80,7 @@ def _rank_store(location: str | os.PathLike[str] | Store, store: Store, name: st
 def _top_step(record: Record) -> int:
     """The newest step a rank chain's record holds (-1: none, e.g. a fence record)."""
     steps = [a.step for a in record.anchors] + [s.step for d in record.deltas for s in d.steps]
+    steps += [ranges[-1][1] for g in record.segments for ranges in (g.anchor_steps, g.delta_steps) if ranges]
     return max(steps, default=-1)
 
 

@@ -32,7 +32,7 @@ from .checks import (
 from .errors import ChainError, CorruptChainError, LdformatError, NotAChainError
 from .jsonvalue import JSONObject, crc32c_hex
 from .log import ROOT_FILE, log_path, log_sequence_numbers
-from .manifest import ObjectRef, SlotInfo
+from .manifest import ObjectRef, SlotInfo, ranges_of
 from .optstate import check_structure
 from .reader import ChainReader, chain_name, open_store
 from .replay import ProxyReplayer, stand_in
@@ -311,6 +311,10 @@ def _check_layout(root: ShardedRoot, schemas: Mapping[int, dict[str, Any] | None
                                            f"rank {r}'s chain stores other model tensors than rank 0's"))
 
 
+def _step_list(steps: list[int]) -> str:
+    return ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in ranges_of(steps))
+
+
 def _reraise_unless_problem(e: Exception) -> None:
     """I/O and memory errors are the caller's to handle; everything else is a problem of the chain."""
     if isinstance(e, (OSError, MemoryError)) and not isinstance(e, LdformatError):
@@ -374,6 +378,7 @@ class _Validation:
         report.steps = len(state.steps)
         report.anchors = reader.anchors
         report.latest_step = reader.latest_step
+        self.check_segments()
         root_where = f"{reader.path}/{ROOT_FILE}"
         schema: Schema | None = None
         try:
@@ -397,6 +402,22 @@ class _Validation:
         if self.deep and report.ok:
             _deep_check(reader, self.stored, report, self.progress)
         return report
+
+    # -- segments (spec §7.9) -------------------------------------------------------------------
+    def check_segments(self) -> None:
+        """Read and verify every segment the fold references; the steps of one that fails are
+        reported and left out of the remaining checks."""
+        state = self.reader.state
+        for index, ref in enumerate(state.segments):
+            try:
+                state.load_segment(index)
+            except Exception as e:
+                _reraise_unless_problem(e)
+                listed = state.listed_steps(index)
+                self.problem(f"{self.reader.path}/{ref.object.path}", listed[0] if listed else None, e)
+                self.problem(f"{self.reader.path}/{ref.object.path}", None,
+                             f"steps {_step_list(listed)} cannot be materialized: their entries are in this segment")
+                state.drop_segment(index)
 
     # -- objects (spec §18 checks 3-5) -------------------------------------------------------
     def check_objects(self) -> None:

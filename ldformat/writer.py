@@ -51,6 +51,7 @@ from .errors import (
     UsageError,
     WriterIOError,
 )
+from .fold import ChainState
 from .jsonvalue import JSON, encode, object_checksum
 from .log import (
     ROOT_FILE,
@@ -70,7 +71,6 @@ from .manifest import (
     KINDS,
     NEWEST_VERSION,
     AnchorEntry,
-    ChainState,
     DeltaEntry,
     Kind,
     ObjectRef,
@@ -80,6 +80,7 @@ from .manifest import (
 )
 from .optstate import live_optimizer_state, probe_unstorable_state
 from .reader import ChainReader, chain_name, open_store
+from .snapshots import commit_snapshot, segments_allowed
 from .state import (
     check_schema_matches,
     encode_param_groups,
@@ -98,24 +99,36 @@ from .topk import TopK
 log = logging.getLogger("ldformat")
 
 
+#: Versions :meth:`ChainWriter.create` can write (1.0 and 1.1 chains are only appended to).
+WRITABLE_VERSIONS = ("1.2", "1.3", "1.4", "1.5")
+
+
 @dataclass(frozen=True)
 class SnapshotPolicy:
     """When a writer restates its chain in a snapshot record (spec §7.8).
 
     After a commit, a snapshot is written once the records after the newest snapshot (the
-    *tail*, which every open reads and parses) hold at least ``max(min_bytes, ratio * S)``
-    bytes, ``S`` being the size of that snapshot, and at least ``min_records`` records. A
-    snapshot restates the whole chain, so ``S`` grows with it; writing the next one only after
-    ``ratio * S`` new bytes keeps the commit cost O(1) amortized (at most ``1 / ratio`` bytes
-    of snapshot per byte committed) while an open reads at most ``S * (1 + ratio)`` bytes.
-    A snapshot that would exceed ``max_bytes`` is not written (its parse would cost more
-    than the tail it saves; compact the chain instead).
+    *tail*, which every open reads and parses) number at least ``min_records`` and either
+    ``max_tail_records`` or ``min_bytes`` bytes, and hold at least ``ratio * S`` bytes, ``S``
+    being the size of that snapshot record. So an open reads ``S`` plus a tail of about
+    ``max_tail_records`` small records or ``min_bytes`` of large ones (records that carry RNG
+    states are about 18 KB per step), and at most ``1 / ratio`` bytes of snapshot record are
+    written per byte committed.
+
+    In a 1.5 chain (the default) a snapshot is segmented (spec §7.9): it writes the entries
+    committed since the previous snapshot into a new segment object and references the older
+    segments, so ``S`` is one small reference per segment and an open reads ``S`` plus the
+    tail, whatever the number of committed steps. In an older chain a snapshot restates every
+    entry inline, so ``S`` grows with the chain; writing the next one only after ``ratio * S``
+    new bytes keeps the commit cost O(1) amortized, and one that would exceed ``max_bytes`` is
+    not written (compact the chain instead).
     """
 
     ratio: float = 0.125
-    min_bytes: int = 64 << 10
+    min_bytes: int = 1 << 20
     min_records: int = 4
     max_bytes: int = 32 << 20
+    max_tail_records: int = 64
 
 
 class ChainWriter:
@@ -181,9 +194,11 @@ class ChainWriter:
         self._over_budget_warned = False
         self.last_commit_seconds = 0.0  # sync + record creation of the latest commit (and snapshot)
         self.commits = 0
-        #: When to write snapshot records (spec §7.8); None (the default): never. An append-only
-        #: chain's snapshot is about as large as the log it replaces, so it saves an open little.
-        self.snapshot_policy: SnapshotPolicy | None = None
+        #: When to write snapshot records (spec §7.8); None: never. The default is segmented
+        #: snapshots where the chain's version allows them (1.5), none in older chains, whose
+        #: inline snapshots are about as large as the log they replace.
+        self._segmented = segments_allowed(root.format_version)
+        self.snapshot_policy: SnapshotPolicy | None = SnapshotPolicy() if self._segmented else None
         self.snapshots = 0  # snapshot records this writer committed
         self._snapshot_too_large_warned = False
         # Records below this number may still exist although a snapshot supersedes them: those
@@ -226,8 +241,9 @@ class ChainWriter:
             extra: JSON-able extra state of the first anchor.
             store: an explicit store (``path`` then only names the chain).
             storage_options: object store settings overriding the environment variables.
-            format_version: the version the root records: ``"1.3"`` for the rank chain of a
-                sharded chain (spec §20.1), otherwise the default.
+            format_version: the version the root records (spec §3.1). An older one (down to
+                1.2) keeps the chain readable by older readers: it then holds no segments
+                (spec §7.9), and this writer writes no snapshot records into it by default.
 
         Raises:
             ChainExistsError: ``path`` already holds a chain.
@@ -235,8 +251,8 @@ class ChainWriter:
         """
         if kind not in KINDS:
             raise UsageError(f"unknown kind {kind!r}; choose one of {', '.join(KINDS)}")
-        if format_version not in (FORMAT_VERSION, NEWEST_VERSION):
-            raise UsageError(f"format_version must be {FORMAT_VERSION!r} or {NEWEST_VERSION!r}")
+        if format_version not in WRITABLE_VERSIONS:
+            raise UsageError(f"format_version must be one of {', '.join(WRITABLE_VERSIONS)} (default {FORMAT_VERSION})")
         if kind == "grad.topk" and not isinstance(compressor, TopK):
             raise UsageError("kind 'grad.topk' needs compressor=ldformat.TopK(...) (the one that compresses p.grad)")
         if kind != "grad.topk" and compressor is not None:
@@ -688,10 +704,13 @@ class ChainWriter:
         policy, st = self.snapshot_policy, self._state
         if policy is None or self._lock is None or st.tail_records < policy.min_records:
             return False
-        if st.tail_bytes < max(policy.min_bytes, policy.ratio * st.start_bytes):
+        if st.tail_bytes < policy.ratio * st.start_bytes:
             return False
-        # The records' sizes bound the snapshot's: it restates their entries without their headers.
-        if st.start_bytes + st.tail_bytes > policy.max_bytes:
+        if st.tail_records < policy.max_tail_records and st.tail_bytes < policy.min_bytes:
+            return False
+        # The records' sizes bound an inline snapshot's: it restates their entries without their
+        # headers. A segmented one cuts its new entries into segments.
+        if not self._segmented and st.start_bytes + st.tail_bytes > policy.max_bytes:
             if not self._snapshot_too_large_warned:
                 self._snapshot_too_large_warned = True
                 log.warning("%s: a snapshot of this chain would exceed %d bytes; no more snapshots are written, "
@@ -703,9 +722,10 @@ class ChainWriter:
     def write_snapshot(self) -> None:
         """Commit a snapshot record that restates the chain as it is (spec §7.8).
 
-        It lists every committed anchor entry and, for every batch, its entry with its
-        committed steps, exactly as compaction states a chain it keeps whole; it writes no
-        object and changes no step. It is created like any record, through the exclusive,
+        It states every committed anchor entry and, for every batch, its entry with its
+        committed steps, unchanged: in a 1.5 chain through segments (the entries committed
+        since the previous snapshot go into a new one, spec §7.9), in older chains inline. It
+        changes no step. It is created like any record, through the exclusive,
         lock-checked commit path, after everything pending is committed. Then the records
         below the *previous* snapshot are deleted (the newest superseded ones are left for
         readers still folding from there).
@@ -716,9 +736,8 @@ class ChainWriter:
         if lock is None or state.latest_step is None or state.tail_records == 0:
             return  # the newest record is a snapshot already
         previous_start = state.first_seq
-        self._io("the snapshot record", lambda: commit_record(
-            self.store, self.path, state, lock, type="snapshot", reason="snapshot",
-            anchors=list(state.anchors.values()), deltas=state.restated_deltas(state.deltas)))
+        self._io("the snapshot record", lambda: commit_snapshot(
+            self.store, self.path, state, lock, reason="snapshot", segmented=self._segmented))
         self.snapshots += 1
         self._io("superseded records", delete_superseded, self.store, self.path, lock,
                  range(self._superseded_from, previous_start))

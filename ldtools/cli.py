@@ -785,17 +785,26 @@ def log(chain: str, as_json: bool, rank: int | None) -> None:
 
 
 def _chain_log(reader: ChainReader, as_json: bool) -> None:
+    from ldformat.manifest import expand
+
     rows: list[dict[str, Any]] = []
     for r in reader.records:
-        steps = sorted(s.step for d in r.deltas for s in d.steps)
+        # A snapshot's segments list their steps (spec §7.9); their entries are not read here,
+        # so its bytes are those of its segment objects and inline entries.
+        steps = sorted([s.step for d in r.deltas for s in d.steps]
+                       + [step for g in r.segments if g.delta_steps for step in (g.delta_steps[0][0],
+                                                                                 g.delta_steps[-1][1])])
+        anchors = sorted([a.step for a in r.anchors] + [s for g in r.segments for s in expand(g.anchor_steps)])
         rows.append({
             "seq": r.seq,
             "type": r.type,
             "reason": r.reason,
             "time": r.time,
-            "anchors": [a.step for a in r.anchors],
+            "anchors": anchors,
             "delta_steps": [steps[0], steps[-1]] if steps else None,
-            "bytes": sum(a.object.size for a in r.anchors) + sum(o.size for d in r.deltas for o in d.objects),
+            "segments": len(r.segments),
+            "bytes": sum(a.object.size for a in r.anchors) + sum(o.size for d in r.deltas for o in d.objects)
+            + sum(g.object.size for g in r.segments),
         })
     if as_json:
         _echo(json.dumps(rows, indent=2))

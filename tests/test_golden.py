@@ -230,7 +230,10 @@ def test_garbage_collection_removes_only_leftovers(tmp_path: Path) -> None:
     referenced = before.state.referenced_objects()
     plan = ldformat.compact(chain)
     assert plan.removed_objects, "the golden chain has an uncommitted delta group"
-    assert all(p.startswith("deltas/5-6-") for p in plan.removed_objects)
+    # Besides that group: the records a snapshot superseded (from 1.5 on, spec §7.8).
+    superseded = {f"log/{seq:012d}.json" for seq in range(1, before.state.first_seq)}
+    assert all(p.startswith("deltas/5-6-") or p in superseded for p in plan.removed_objects), plan.removed_objects
+    assert any(p.startswith("deltas/5-6-") for p in plan.removed_objects)
     assert not referenced & set(plan.removed_objects)
     reader = ldformat.ChainReader(chain)
     assert reader.steps == expected_steps(ldformat.FORMAT_VERSION, "state.xor-leftovers")

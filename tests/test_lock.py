@@ -395,7 +395,7 @@ def test_root_is_created_after_record_1(tmp_path: Path) -> None:
 
     ChainWriter.create(path, model, optimizer, kind="state.xor", store=Recording(path)).close()
     assert [p for p in order if not p.startswith("lock/")] == ["log/000000000001.json", "ldformat.json"]
-    assert json.loads((path / "ldformat.json").read_text())["format_version"] == "1.2"
+    assert json.loads((path / "ldformat.json").read_text())["format_version"] == ldformat.FORMAT_VERSION
 
 
 def test_unfinished_creation_is_reclaimed(tmp_path: Path) -> None:

@@ -100,9 +100,9 @@ def test_no_snapshot_without_a_policy(tmp_path: Path) -> None:
     assert set(_record_types(path)) == {"append"} and writer.snapshots == 0
 
 
-def test_snapshot_larger_than_max_bytes_is_not_written(tmp_path: Path) -> None:
+def test_inline_snapshot_larger_than_max_bytes_is_not_written(tmp_path: Path) -> None:
     path = tmp_path / "chain"
-    writer, model, optimizer = _writer(path, "grad.dense")
+    writer, model, optimizer = _writer(path, "grad.dense", format_version="1.4")  # no segments before 1.5
     writer.snapshot_policy = SnapshotPolicy(ratio=0.5, min_bytes=0, min_records=3, max_bytes=1)
     _train(writer, model, optimizer, 1, 12, {})
     writer.close()

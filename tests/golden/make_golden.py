@@ -51,6 +51,7 @@ from torch import nn
 
 import ldformat
 from ldformat.jsonvalue import canonical, encode
+from ldformat.writer import SnapshotPolicy
 
 VOCAB = 16
 WIDTH = 8
@@ -245,6 +246,25 @@ def assert_same(got: dict[str, Any], want: dict[str, Any], where: str) -> None:
 
 # -- the chains ----------------------------------------------------------------------------------
 
+# From 1.5 on, the golden chains hold segmented snapshots (spec §7.9): written after every
+# second record, far more often than the default policy would for chains this small.
+EAGER_SNAPSHOTS = SnapshotPolicy(ratio=0.5, min_bytes=0, min_records=2)
+
+
+def create_writer(*args: Any, **kwargs: Any) -> ldformat.ChainWriter:
+    writer = ldformat.ChainWriter.create(*args, **kwargs)
+    if writer.snapshot_policy is not None:
+        writer.snapshot_policy = EAGER_SNAPSHOTS
+    return writer
+
+
+def open_writer(*args: Any, **kwargs: Any) -> ldformat.ChainWriter:
+    writer = ldformat.ChainWriter.open(*args, **kwargs)
+    if writer.snapshot_policy is not None:
+        writer.snapshot_policy = EAGER_SNAPSHOTS
+    return writer
+
+
 def make_grad_dense(chain: Path) -> dict[int, dict[str, Any]]:
     """Anchors every 3 steps, a hand-set lr, a skipped optimizer step, a scheduler in ``extra``;
     then truncate after step 4, re-open and train steps 5-6 again on other data (a rewind)."""
@@ -253,7 +273,7 @@ def make_grad_dense(chain: Path) -> dict[int, dict[str, Any]]:
     opt = sgd(model)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     live: dict[int, dict[str, Any]] = {}
-    writer = ldformat.ChainWriter.create(chain, model, opt, kind="grad.dense", batch_steps=2, anchor_every=3,
+    writer = create_writer(chain, model, opt, kind="grad.dense", batch_steps=2, anchor_every=3,
                                          extra=extra_state(0, sched))
     live[0] = capture(model, opt, 0, extra_state(0, sched), None)
     for step in range(1, 6):
@@ -279,7 +299,7 @@ def make_grad_dense(chain: Path) -> dict[int, dict[str, Any]]:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     loaded = ldformat.ChainReader(chain).load_into(model, opt, 4)
     sched.load_state_dict(loaded["extra"]["scheduler"])
-    writer = ldformat.ChainWriter.open(chain, model, opt, batch_steps=2, anchor_every=3)
+    writer = open_writer(chain, model, opt, batch_steps=2, anchor_every=3)
     for step in (5, 6):
         forward_backward(model, opt, step, seed=2)
         opt.step()
@@ -298,7 +318,7 @@ def make_grad_topk(chain: Path) -> dict[int, dict[str, Any]]:
     opt = sgd(model)
     topk = ldformat.TopK(0.25)
     live: dict[int, dict[str, Any]] = {}
-    writer = ldformat.ChainWriter.create(chain, model, opt, kind="grad.topk", compressor=topk, batch_steps=3,
+    writer = create_writer(chain, model, opt, kind="grad.topk", compressor=topk, batch_steps=3,
                                          anchor_every=4)
     live[0] = capture(model, opt, 0, {}, topk.state_dict())
     for step in range(1, 8):
@@ -321,7 +341,7 @@ def write_xor_steps(chain: Path, model: GoldenNet, opt: torch.optim.Optimizer,
                     anchor_every: int | None) -> dict[int, dict[str, Any]]:
     """A state.xor chain of steps 0-8, 3 per batch; the live state of every step."""
     live: dict[int, dict[str, Any]] = {}
-    writer = ldformat.ChainWriter.create(chain, model, opt, kind="state.xor", batch_steps=3,
+    writer = create_writer(chain, model, opt, kind="state.xor", batch_steps=3,
                                          anchor_every=anchor_every)
     live[0] = capture(model, opt, 0, {}, None)
     for step in range(1, 9):
@@ -369,7 +389,7 @@ def make_state_xor_leftovers(chain: Path) -> dict[int, dict[str, Any]]:
     store = _FailingCommitStore(chain)
     chain.mkdir(parents=True)
     live: dict[int, dict[str, Any]] = {}
-    writer = ldformat.ChainWriter.create(chain, model, opt, kind="state.xor", batch_steps=2, store=store)
+    writer = create_writer(chain, model, opt, kind="state.xor", batch_steps=2, store=store)
     live[0] = capture(model, opt, 0, {}, None)
     for step in range(1, 7):
         forward_backward(model, opt, step, seed=1)
