@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from ..errors import ChainLockedError, LdformatError, UnsupportedStateError, UsageError
+from ..fold import ChainState
 from ..log import WriterLock, log_path, log_sequence_numbers, now, read_log, read_record
-from ..manifest import ChainState
 from ..sharded import (
     COPIES_VERSION,
     SHARDED_VERSION,
