@@ -367,6 +367,9 @@ class SegmentRef:
         if not ref.path.startswith("segments/"):
             raise CorruptChainError(f"{where}: segment reference names {ref.path!r}, outside segments/ (spec §7.9)")
         w = f"{where} segment {ref.path}"
+        if ref.size > MAX_RECORD_BYTES:
+            raise CorruptChainError(f"{w}: {ref.size} bytes, more than the {MAX_RECORD_BYTES} a segment may hold "
+                                    "(spec §21.4)")
         seg = cls(object=ref, anchor_steps=_ranges(d, "anchor_steps", w), delta_steps=_ranges(d, "delta_steps", w))
         # Bound what the ranges claim before anything expands them (spec §21.4).
         if seg.listed == 0 or seg.listed > ref.size // SEGMENT_BYTES_PER_STEP:
