@@ -414,9 +414,10 @@ class _Validation:
             except Exception as e:
                 _reraise_unless_problem(e)
                 listed = state.listed_steps(index)
-                self.problem(f"{self.reader.path}/{ref.object.path}", listed[0] if listed else None, e)
-                self.problem(f"{self.reader.path}/{ref.object.path}", None,
-                             f"steps {_step_list(listed)} cannot be materialized: their entries are in this segment")
+                where = f"{self.reader.path}/{ref.object.path}"
+                self.problem(where, listed[0] if listed else None, e)
+                self.problem(where, None, f"steps {_step_list(listed)} cannot be materialized: their entries are in "
+                             f"this segment, which {log_path(state.first_seq)} references")
                 state.drop_segment(index)
 
     # -- objects (spec §18 checks 3-5) -------------------------------------------------------

@@ -152,19 +152,20 @@ def test_validate_deep(version: str, name: str) -> None:
     assert tree_digest(chain) == before
 
 
-def _validators() -> tuple[Any, Any]:
+def _validators(names: tuple[str, ...] = ("root.schema.json", "record.schema.json")) -> list[Any]:
     jsonschema = pytest.importorskip("jsonschema")
     out = []
-    for name in ("root.schema.json", "record.schema.json"):
+    for name in names:
         schema = json.loads((SPEC_SCHEMAS / name).read_text())
         jsonschema.Draft202012Validator.check_schema(schema)
         out.append(jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker()))
-    return out[0], out[1]
+    return out
 
 
 @pytest.mark.parametrize(("version", "name"), CHAINS, ids=IDS)
 def test_json_schemas(version: str, name: str) -> None:
-    root_validator, record_validator = _validators()
+    root_validator, record_validator, segment_validator = _validators(
+        ("root.schema.json", "record.schema.json", "segment.schema.json"))
     chain = GOLDEN / version / name / "chain"
     root = json.loads((chain / "ldformat.json").read_text())
     errors = [e.message for e in root_validator.iter_errors(root)]
@@ -175,6 +176,15 @@ def test_json_schemas(version: str, name: str) -> None:
         record = json.loads(path.read_text())
         errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in record_validator.iter_errors(record)]
         assert not errors, (path.name, errors)
+    # Segments (1.5, spec §7.9): every one the records reference validates against its schema.
+    referenced = {g["path"] for p in records for g in json.loads(p.read_text()).get("segments", [])}
+    assert referenced <= {p.relative_to(chain).as_posix() for p in (chain / "segments").glob("*.json")}
+    for segment in sorted(referenced):
+        doc = json.loads((chain / segment).read_text())
+        errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in segment_validator.iter_errors(doc)]
+        assert not errors, (segment, errors)
+    if tuple(map(int, version.split("."))) >= (1, 5):
+        assert referenced, "from 1.5 on, golden chains hold segmented snapshots"
 
 
 def _mutations(record: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool, bool]]:
