@@ -9,11 +9,12 @@ for, which keeps opening a chain independent of how many steps it holds.
 from __future__ import annotations
 
 import bisect
+import operator
 import threading
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Generic, TypeVar
 
-from .errors import CorruptChainError
+from .errors import CorruptChainError, LdformatError
 from .manifest import (
     AnchorEntry,
     DeltaEntry,
@@ -99,7 +100,10 @@ class StepMap(MutableMapping[int, V], Generic[V]):
         i = self._span(step)
         if i < 0:
             raise KeyError(step)
-        self._load(self._spans[i][2])
+        try:
+            self._load(self._spans[i][2])
+        except LdformatError as e:
+            raise type(e)(f"{e} (reading the entry of step {step})") from None
         return self._entries[step]
 
     def __setitem__(self, step: int, value: V) -> None:
@@ -117,7 +121,12 @@ class StepMap(MutableMapping[int, V], Generic[V]):
         self.origin.pop(step, None)
 
     def __contains__(self, step: object) -> bool:
-        return step in self._entries or (isinstance(step, int) and self._span(step) >= 0)
+        if step in self._entries:
+            return True
+        try:
+            return self._span(operator.index(step)) >= 0  # type: ignore[arg-type]  # any integer type
+        except TypeError:
+            return False
 
     def __iter__(self) -> Iterator[int]:
         pending = list(self._spans)
@@ -149,7 +158,7 @@ class ChainState:
     """The visible content of a chain after folding the log (spec §7.3)."""
 
     def __init__(self, *, last_seq: int = 0, last_checksum: str | None = None, first_seq: int = 1,
-                 read_segment: SegmentReader | None = None) -> None:
+                 read_segment: SegmentReader | None = None, where: str = "") -> None:
         self.anchors: StepMap[AnchorEntry] = StepMap(self._load)
         self.deltas: StepMap[DeltaStep] = StepMap(self._load)
         self.last_seq = last_seq
@@ -166,6 +175,7 @@ class ChainState:
         #: The segment references of the record the fold starts at (spec §7.9).
         self.segments: tuple[SegmentRef, ...] = ()
         self.read_segment = read_segment
+        self.where = where  # how messages name the chain
         self.segments_loaded = 0  # segment objects read (not counting those handed to remember())
         self._segment_cache: dict[str, Segment] = {}  # verified segments by path
         self._lock = threading.Lock()
@@ -192,15 +202,18 @@ class ChainState:
     def _resolve(self, index: int, ref: SegmentRef, segment: Segment) -> None:
         anchors = {a.step: a for a in segment.anchors}
         deltas = {s.step: (d, s) for d in segment.deltas for s in d.steps}
-        for listed, have, what in ((ref.anchor_steps, anchors, "an anchor entry"),
-                                   (ref.delta_steps, deltas, "a step entry")):
+        for listed, have, what in ((ref.anchor_steps, anchors, "anchor entry"),
+                                   (ref.delta_steps, deltas, "step entry")):
             missing = next((s for first, last in listed for s in range(first, last + 1) if s not in have), None)
             if missing is not None:
                 raise CorruptChainError(
-                    f"{ref.object.path} (step {missing}): the snapshot lists step {missing}, but the segment "
-                    f"holds no {what} for it (spec §7.9)")
+                    f"{self._name(ref.object.path)} (step {missing}): the snapshot lists step {missing}, but the "
+                    f"segment holds no {what} for it (spec §7.9)")
         self.anchors.resolve(index, anchors)
         self.deltas.resolve(index, deltas)
+
+    def _name(self, path: str) -> str:
+        return f"{self.where}/{path}" if self.where else path
 
     def load_segment(self, index: int) -> None:
         """Read segment ``index`` of the start record now, if a committed step's entry is in it."""
@@ -288,7 +301,8 @@ class ChainState:
         while s not in self.anchors:
             entry = self.deltas.get(s)
             if entry is None:
-                raise CorruptChainError(f"step {step} is not reachable: no anchor or delta for step {s}")
+                raise CorruptChainError(f"{self.where or 'the chain'}: step {step} is not reachable: no anchor or "
+                                        f"delta for step {s}")
             chain.append(s)
             s = entry[1].base
         chain.reverse()

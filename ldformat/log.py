@@ -187,7 +187,7 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
     used = seqs[start_index:]
     if records[used[0]].type != "snapshot" and used[0] != 1:
         raise CorruptChainError(f"{where}/{log_path(1)}: the log does not start at record 1 and has no snapshot")
-    state = ChainState(first_seq=used[0], read_segment=segment_reader(store, where))
+    state = ChainState(first_seq=used[0], read_segment=segment_reader(store, where), where=where)
     out = []
     prev: str | None = None
     for expected, seq in enumerate(used, start=used[0]):

@@ -30,7 +30,7 @@ from .errors import (
     ReplayEnvironmentWarning,
     StepNotFoundError,
 )
-from .jsonvalue import object_checksum
+from .jsonvalue import JSON, object_checksum
 from .log import read_log, read_root
 from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from .replay import Replayer
@@ -234,11 +234,16 @@ class ChainReader:
         return result
 
     def extra(self, step: int | None = None) -> dict[Any, Any]:
-        """The ``extra`` of ``step`` (spec §19), from the log alone: no object is read."""
+        """The ``extra`` of ``step`` (spec §19), from its entry: no anchor or batch is read, at
+        most the segment holding the entry (spec §7.9)."""
         step = self._check_step(step)
-        anchor = self.state.anchors.get(step)
-        encoded = anchor.extra if anchor is not None else self.state.deltas[step][1].extra
-        return check_extra(encoded, f"{self.path} (step {step})")
+
+        def encoded() -> JSON:
+            self._check_step(step)  # again after a re-fold: a compaction may have dropped it
+            anchor = self.state.anchors.get(step)
+            return anchor.extra if anchor is not None else self.state.deltas[step][1].extra
+
+        return check_extra(self._retry(encoded), f"{self.path} (step {step})")
 
     def stored_tensors(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """The tensors of ``step``'s state under their stored names (spec §8), as replay holds

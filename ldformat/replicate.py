@@ -413,7 +413,7 @@ class ChainSync:
         self.workers = workers
         self.lock: WriterLock | None = None
         # The replica's fold, kept current as records are copied.
-        self.state = ChainState(read_segment=segment_reader(dst, dst_name))
+        self.state = ChainState(read_segment=segment_reader(dst, dst_name), where=dst_name)
         self.has_root = False
         #: Objects the replica's committed records reference (or referenced during this call:
         #: nothing deletes them before the garbage collection at the end), with their
@@ -502,7 +502,8 @@ class ChainSync:
                                         "sync again")
             # Unverifiable, but the snapshot the copy starts with supersedes it on the replica
             # too. It is left in place: only a fenced lock holder deletes (spec §17.5).
-            self.state = ChainState(last_seq=seq, first_seq=seq, read_segment=segment_reader(self.dst, self.dst_name))
+            self.state = ChainState(last_seq=seq, first_seq=seq, read_segment=segment_reader(self.dst, self.dst_name),
+                                    where=self.dst_name)
             return
         if mine != theirs:
             raise self._diverged(seq, "its bytes differ")

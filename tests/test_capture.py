@@ -61,13 +61,8 @@ pytestmark = pytest.mark.filterwarnings(
 
 # -- fixtures ------------------------------------------------------------------------------
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    # The subprocess runs train on one thread each; on two cores shared with them, an
-    # OpenMP pool of two here would mostly spin.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+def _one_thread(one_torch_thread: None) -> None:
+    """Torch on one thread here (tests/conftest.py)."""
 
 
 @pytest.fixture(autouse=True)

@@ -21,12 +21,9 @@ from ldformat.writer import SnapshotPolicy
 EAGER = SnapshotPolicy(ratio=0.5, min_bytes=0, min_records=3)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """Torch on one thread here (tests/conftest.py)."""
 
 
 def _writer(path: Path, kind: str, **kw: Any) -> tuple[ChainWriter, TinyNet, torch.optim.Optimizer]:
