@@ -283,9 +283,9 @@ class ChainState:
         return refs
 
     def referenced_bytes(self) -> int:
-        """The bytes of every object the chain references (their sizes as recorded), its
-        segments included."""
-        total = sum(a.object.size for a in self.anchors.values()) + sum(g.object.size for g in self.segments)
+        """The bytes of the anchors and batch objects the chain references (their sizes as
+        recorded): what a disk budget bounds. Metadata (records, segments) is not counted."""
+        total = sum(a.object.size for a in self.anchors.values())
         return total + sum(o.size for d in self.delta_entries() for o in d.objects)
 
     def delta_entries(self) -> list[DeltaEntry]:

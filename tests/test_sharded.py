@@ -56,8 +56,10 @@ WORKER_ARGS: list[str] = []  # extra worker arguments (--no-checkpoint checks th
 
 
 # -- the runs --------------------------------------------------------------------------------------
-def chain_run(name: str, layout: str, mode: str, optim: str) -> dict[str, Any]:
-    return {"name": name, "layout": layout, "mode": mode, "optim": optim, "steps": STEPS, "chain": name}
+def chain_run(name: str, layout: str, mode: str, optim: str, *, snapshots: bool = False) -> dict[str, Any]:
+    """``snapshots``: every rank chain writes a segmented snapshot after every second record."""
+    run = {"name": name, "layout": layout, "mode": mode, "optim": optim, "steps": STEPS, "chain": name}
+    return {**run, "snapshots": "eager"} if snapshots else run
 
 
 def resume_pair(name: str, layout: str, optim: str, src: Path, src_run: str,
@@ -81,17 +83,17 @@ def dcp_pair(name: str, layout: str, optim: str, export: Path | None, src: Path,
 
 
 W2_CHAINS = [
-    chain_run("fsdp-xor", "fsdp", "xor", "sgd"),
-    chain_run("fsdp-lowdiff", "fsdp", "lowdiff", "adamw"),
+    chain_run("fsdp-xor", "fsdp", "xor", "sgd", snapshots=True),
+    chain_run("fsdp-lowdiff", "fsdp", "lowdiff", "adamw", snapshots=True),
     chain_run("fsdp-lowdiffp", "fsdp", "lowdiff+", "adamw"),
     chain_run("tp-xor", "tp", "xor", "adamw"),
     chain_run("tp-lowdiff", "tp", "lowdiff", "adam"),
-    chain_run("tp-lowdiffp", "tp", "lowdiff+", "adamw"),
+    chain_run("tp-lowdiffp", "tp", "lowdiff+", "adamw", snapshots=True),
     chain_run("fsdpmp-xor", "fsdp-mp", "xor", "adamw"),  # MixedPrecisionPolicy(bf16 params, fp32 reduce)
     chain_run("fsdpmp-lowdiffp", "fsdp-mp", "lowdiff+", "adamw"),
 ]
 #: A chain with a disk budget (live retention per rank chain), checked on its own.
-BUDGET_RUN = {**chain_run("fsdp-budget", "fsdp", "xor", "adamw"), "max_bytes": 2 * 24_000}
+BUDGET_RUN = {**chain_run("fsdp-budget", "fsdp", "xor", "adamw", snapshots=True), "max_bytes": 2 * 24_000}
 W4_CHAINS = [
     chain_run("fsdp4-xor", "fsdp", "xor", "adam"),
     chain_run("2d-xor", "2d", "xor", "sgd"),
@@ -101,9 +103,9 @@ W4_CHAINS = [
     chain_run("hsdp-lowdiffp", "hsdp", "lowdiff+", "adam"),
 ]
 #: An HSDP chain that a second run opens again after a resume and appends MORE steps to.
-HSDP_REOPENED = [chain_run("hsdp-xor", "hsdp", "xor", "adamw"),
+HSDP_REOPENED = [chain_run("hsdp-xor", "hsdp", "xor", "adamw", snapshots=True),
                  {"name": "hsdp-xor-more", "layout": "hsdp", "optim": "adamw", "steps": MORE, "mode": "xor",
-                  "chain": "hsdp-xor"}]
+                  "chain": "hsdp-xor", "snapshots": "eager"}]
 W1_CHAINS = [chain_run("fsdp1-xor", "fsdp", "xor", "adamw")]
 
 
@@ -510,6 +512,20 @@ def test_a_disk_budget_drops_history_per_rank_and_keeps_the_newest_committed_ste
         problems += [f"step {step}: {d}" for d in state_diffs(reader.materialize(step), want)]
     assert not problems, problems[:20]
     assert ldformat.validate(path).ok
+
+
+@pytest.mark.parametrize(("world", "name"), [("w2", "fsdp-xor"), ("w2", "fsdp-lowdiff"), ("w2", "tp-lowdiffp"),
+                                             ("w2", "fsdp-budget"), ("w4", "hsdp-xor")])
+def test_rank_chains_hold_segmented_snapshots(request: pytest.FixtureRequest, world: str, name: str) -> None:
+    """Rank chains are 1.5 chains: with a snapshot policy, each one's newest snapshot references
+    segment objects (spec §7.9), which the exactness and validation tests above then read."""
+    launch: Launch = request.getfixturevalue(world)
+    reader = ldformat.open_reader(launch.chain(name))
+    assert isinstance(reader, ldformat.ShardedReader)
+    for rank in reader.ranks.values():
+        assert rank.root.format_version == ldformat.FORMAT_VERSION
+        assert rank.state.segments, f"{rank.path}: no segmented snapshot"
+        assert {g.object.path for g in rank.state.segments} <= set(rank.store.list("segments"))
 
 
 def test_every_run_completed(w1: Launch, w2: Launch, w2b: Launch, w4: Launch) -> None:
