@@ -11,6 +11,7 @@ Chains of older versions get inline snapshots, as their readers expect.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from collections.abc import Iterable, Sequence
 
@@ -26,11 +27,12 @@ from .manifest import (
     Record,
     Segment,
     SegmentRef,
+    StepEntry,
     ranges_of,
 )
 from .stores import Store
 
-#: New segments are cut at about this size, well below the 128 MiB a reader accepts (spec §7.9).
+#: New segments stay below this size (well below the 128 MiB a reader accepts, spec §7.9).
 SEGMENT_TARGET_BYTES = 16 << 20
 
 
@@ -143,17 +145,28 @@ def _cut(anchors: Iterable[AnchorEntry], deltas: Iterable[DeltaEntry]) -> list[S
         part_a, part_d, size = [], [], 0
 
     for a in anchors:
+        n = len(canonical(a.to_dict())) + 1
+        if size + n > SEGMENT_TARGET_BYTES and (part_a or part_d):
+            cut()  # a segment stays below the target, unless one entry alone exceeds it
         part_a.append(a)
-        size += len(canonical(a.to_dict()))
-        if size >= SEGMENT_TARGET_BYTES:
-            cut()
+        size += n
     for d in deltas:
-        for i in range(0, len(d.steps), 64):  # a batch's steps may be split over segments
-            piece = DeltaEntry(path=d.path, objects=d.objects, slots=d.slots, rows=d.rows, steps=d.steps[i:i + 64])
-            part_d.append(piece)
-            size += len(canonical(piece.to_dict()))
-            if size >= SEGMENT_TARGET_BYTES:
+        # A batch's steps may be spread over several entries, and segments (spec §7.9).
+        header = len(canonical(dataclasses.replace(d, steps=()).to_dict()))
+        steps: list[StepEntry] = []
+        for e in d.steps:
+            n = len(canonical(e.to_dict())) + 1
+            if size + n + (0 if steps else header) > SEGMENT_TARGET_BYTES and (part_a or part_d or steps):
+                if steps:
+                    part_d.append(dataclasses.replace(d, steps=tuple(steps)))
+                    steps = []
                 cut()
+            if not steps:
+                size += header
+            steps.append(e)
+            size += n
+        if steps:
+            part_d.append(dataclasses.replace(d, steps=tuple(steps)))
     cut()
     return out
 

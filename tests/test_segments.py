@@ -267,9 +267,9 @@ def test_every_step_exact_through_segments_and_after_reopen(tmp_path: Path, kind
 @pytest.mark.parametrize("target", [None, 1], ids=["one segment", "one segment per entry"])
 def test_a_batch_split_over_segment_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             target: int | None) -> None:
-    """A batch of more than 64 steps is restated in pieces, and new entries are cut into
-    segments of a target size (spec §7.9: a batch's steps may be split over segments; a
-    segment is kept below 16 MiB by splitting); folding, truncating and compacting stay exact."""
+    """New entries are cut into segments below a target size, a batch's steps over several
+    entries if need be (spec §7.9: a batch's steps may be split over segments; a segment is
+    kept below 16 MiB by splitting); folding, truncating and compacting stay exact."""
     if target is not None:
         monkeypatch.setattr(ldformat.snapshots, "SEGMENT_TARGET_BYTES", target)
     path = tmp_path / "chain"
@@ -280,9 +280,11 @@ def test_a_batch_split_over_segment_entries(tmp_path: Path, monkeypatch: pytest.
     t.close()
     seq, doc = newest_snapshot(path)
     pieces = [d for i in range(len(doc["segments"])) for d in segment_doc(path, i)["deltas"]]
-    assert len(pieces) >= 2 and len({d["path"] for d in pieces}) == 1, "one batch, restated in pieces"
-    if target is not None:
-        assert len(doc["segments"]) == 3, "anchor 0, steps 1-64, steps 65-70: one segment each"
+    assert len({d["path"] for d in pieces}) == 1, "one batch"
+    if target is None:
+        assert len(doc["segments"]) == 1 and len(pieces) == 1, "anchor 0 and the whole batch in one segment"
+    else:
+        assert len(doc["segments"]) == 71 and len(pieces) == 70, "anchor 0, then each step: one segment each"
         assert {g["path"][9:21] for g in doc["segments"]} == {f"{seq:012d}"}, "all written for this snapshot"
     # (only anchor 0: each step replays from it, so a sample of steps keeps this fast)
     assert_every_step_exact(path, t.states, steps=[0, 1, 2, 63, 64, 65, 66, 70, 71, 75])
