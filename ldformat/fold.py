@@ -59,9 +59,8 @@ class StepMap(MutableMapping[int, V], Generic[V]):
         i = bisect.bisect_right(self._firsts, step) - 1
         return i if i >= 0 and self._spans[i][1] >= step else -1
 
-    def pending_segment(self, step: int) -> int | None:
-        i = self._span(step)
-        return self._spans[i][2] if i >= 0 else None
+    def has_pending(self, segment: int) -> bool:
+        return any(g == segment for _, _, g in self._spans)
 
     def pending_steps(self, segment: int) -> list[int]:
         return [s for first, last, g in self._spans if g == segment for s in range(first, last + 1)]
@@ -189,7 +188,7 @@ class ChainState:
     def _load(self, index: int) -> None:
         with self._lock:
             ref = self.segments[index]
-            if self.anchors.pending_steps(index) or self.deltas.pending_steps(index):
+            if self.anchors.has_pending(index) or self.deltas.has_pending(index):
                 segment = self._segment_cache.get(ref.object.path)
                 if segment is None:
                     if self.read_segment is None:

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from .errors import (
     ChainError,
     ChainLockedError,
@@ -38,7 +40,7 @@ from .errors import (
 )
 from .fold import ChainState, SegmentReader
 from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, object_checksum, parse_json
-from .manifest import AnchorEntry, DeltaEntry, Record, RootMetadata, Segment, SegmentRef
+from .manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, RootMetadata, Segment, SegmentRef
 from .stores import ObjectTooLargeError, Store
 
 ROOT_FILE = "ldformat.json"
@@ -204,26 +206,34 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
     return out, state
 
 
+def read_verified(store: Store, path: str, ref: ObjectRef, where: str, what: str = "object",
+                  missing: str = "`ldtools truncate` the chain before the step that needs it") -> np.ndarray:
+    """Read a referenced object and verify its size and crc32c before anyone parses it (spec
+    §7.6); ``where`` names it in errors, ``missing`` says what to do when it is gone."""
+    try:
+        # An object larger than its reference says is never read into memory.
+        data = store.read_buffer(path, max_size=ref.size)
+    except ObjectTooLargeError as e:
+        raise CorruptChainError(f"{where}: size {e.size} differs from the committed {ref.size}") from None
+    except FileNotFoundError:
+        raise MissingObjectError(
+            f"{where}: {what} is missing (deleted or never synced); restore it from a copy, or {missing}") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise CorruptChainError(f"{where}: expected a file, found a directory") from None
+    if len(data) != ref.size:
+        raise CorruptChainError(f"{where}: size {len(data)} differs from the committed {ref.size} (truncated?)")
+    if object_checksum(path, data) != ref.crc32c:
+        raise CorruptChainError(f"{where}: crc32c mismatch (the {what} was modified or damaged)")
+    return data
+
+
 def segment_reader(store: Store, where: str) -> SegmentReader:
     """Reads a segment a fold references: verified before it is parsed (spec §7.6, §7.9)."""
 
     def read(ref: SegmentRef) -> Segment:
-        path = ref.object.path
-        w = f"{where}/{path}"
-        try:
-            data = store.read_buffer(path, max_size=ref.object.size)
-        except ObjectTooLargeError as e:
-            raise CorruptChainError(f"{w}: size {e.size} differs from the committed {ref.object.size}") from None
-        except FileNotFoundError:
-            raise MissingObjectError(
-                f"{w}: segment is missing (deleted or never synced); restore it from a copy, or truncate the "
-                "chain before the steps it holds") from None
-        except (IsADirectoryError, NotADirectoryError):
-            raise CorruptChainError(f"{w}: expected a file, found a directory") from None
-        if len(data) != ref.object.size:
-            raise CorruptChainError(f"{w}: size {len(data)} differs from the committed {ref.object.size} (truncated?)")
-        if object_checksum(path, data) != ref.object.crc32c:
-            raise CorruptChainError(f"{w}: crc32c mismatch (the segment was modified or damaged)")
+        w = f"{where}/{ref.object.path}"
+        data = read_verified(store, ref.object.path, ref.object, w, "segment",
+                             "truncate the chain before the steps it holds")
         return Segment.from_bytes(data.tobytes(), w)
 
     return read

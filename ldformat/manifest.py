@@ -37,6 +37,11 @@ FORMAT_VERSION = "1.5"
 #: copy ranks in their roots, 1.5 segments.
 NEWEST_VERSION = "1.5"
 SEGMENTS_VERSION = "1.5"  # the first version whose chains may hold segments
+
+
+def minor_version(version: str) -> int:
+    """The MINOR of a ``MAJOR.MINOR`` format version (MAJOR is checked when a root is read)."""
+    return int(version.split(".")[1])
 FORMAT_MAJOR = 1
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)

@@ -30,11 +30,11 @@ from .errors import (
     ReplayEnvironmentWarning,
     StepNotFoundError,
 )
-from .jsonvalue import JSON, object_checksum
-from .log import read_log, read_root
+from .jsonvalue import JSON
+from .log import read_log, read_root, read_verified
 from .manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from .replay import Replayer
-from .stores import LocalStore, ObjectStore, ObjectTooLargeError, Store, parse_location
+from .stores import LocalStore, ObjectStore, Store, parse_location
 from .stores import open_store as _open_location
 
 T = TypeVar("T")
@@ -120,23 +120,7 @@ class ChainReader:
         """Read an object and verify its size and crc32c against the log (a writable uint8 array)."""
         path = f"{prefix}/{ref.path}" if prefix else ref.path
         where = f"{self.path}/{path}" + (f" (step {step})" if step is not None else "")
-        try:
-            # An object larger than its record says is never read into memory.
-            data = self.store.read_buffer(path, max_size=ref.size)
-        except ObjectTooLargeError as e:
-            raise CorruptChainError(f"{where}: size {e.size} differs from the committed {ref.size}") from None
-        except FileNotFoundError:
-            raise MissingObjectError(
-                f"{where}: object is missing (deleted or never synced); restore it from a copy, or "
-                "`ldtools truncate` the chain before the step that needs it"
-            ) from None
-        except IsADirectoryError:
-            raise CorruptChainError(f"{where}: expected a file, found a directory") from None
-        if len(data) != ref.size:
-            raise CorruptChainError(f"{where}: size {len(data)} differs from the committed {ref.size} (truncated?)")
-        if object_checksum(path, data) != ref.crc32c:
-            raise CorruptChainError(f"{where}: crc32c mismatch (the object was modified or damaged)")
-        return data
+        return read_verified(self.store, path, ref, where)
 
     def load_anchor_tensors(self, step: int) -> dict[str, torch.Tensor]:
         entry = self.state.anchors[step]

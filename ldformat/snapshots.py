@@ -28,6 +28,7 @@ from .manifest import (
     Segment,
     SegmentRef,
     StepEntry,
+    minor_version,
     ranges_of,
 )
 from .stores import Store
@@ -38,9 +39,7 @@ SEGMENT_TARGET_BYTES = 16 << 20
 
 def segments_allowed(format_version: str) -> bool:
     """Whether a chain of this version may hold segments (spec §3.1: never in older chains)."""
-    major, minor = (int(x) for x in format_version.split("."))
-    smajor, sminor = (int(x) for x in SEGMENTS_VERSION.split("."))
-    return (major, minor) >= (smajor, sminor)
+    return minor_version(format_version) >= minor_version(SEGMENTS_VERSION)
 
 
 def segment_path(seq: int) -> str:

@@ -77,6 +77,7 @@ from .manifest import (
     RootMetadata,
     SlotInfo,
     StepEntry,
+    minor_version,
 )
 from .optstate import live_optimizer_state, probe_unstorable_state
 from .reader import ChainReader, chain_name, open_store
@@ -344,7 +345,7 @@ class ChainWriter:
         where = chain_name(path, store)
         store = open_store(path, store, storage_options)
         root = read_root(store, where)
-        if _minor(root.format_version) > _minor(NEWEST_VERSION):
+        if minor_version(root.format_version) > minor_version(NEWEST_VERSION):
             raise UnsupportedVersionError(
                 f"{where}: the chain is format {root.format_version}; this ldformat writes {NEWEST_VERSION} and "
                 "may read it but not append to it (spec §3.1): upgrade ldformat"
@@ -580,7 +581,7 @@ class ChainWriter:
     def _refuse_structure_in_old_chain(self, structure: JSON, step: int) -> None:
         """Records of a chain created as format 1.0 or 1.1 cannot carry an optimizer structure
         (spec §3.1): its readers would refuse them."""
-        if structure is not None and _minor(self.root.format_version) < 2:
+        if structure is not None and minor_version(self.root.format_version) < 2:
             err = UnsupportedStateError(
                 f"{self.path}: step {step}: the optimizer's state holds values that are not tensors (or empty "
                 f"per-parameter states), which format {self.root.format_version} chains cannot store; this chain "
@@ -904,10 +905,6 @@ def _remove_creation(store: Store, owned_dir: Path | None, *, everything: bool =
             owned_dir.rmdir()
     except OSError:
         pass  # best effort: what is left is an unfinished creation, which create() reclaims
-
-
-def _minor(version: str) -> int:
-    return int(version.split(".")[1])
 
 
 def refuse_tensor_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> None:
