@@ -158,10 +158,13 @@ class ChainReader:
             )
         return step
 
-    def _retry(self, fn: Callable[[], T]) -> T:
-        # A compaction may delete objects this reader's view still references: re-read the
-        # log and try again, as long as the log moved (spec §17.4); an object missing from
-        # the newest log is missing.
+    def retrying(self, fn: Callable[[], T]) -> T:
+        """``fn()``, run again on a re-read log when it meets a missing object or segment.
+
+        A compaction, truncation or writer snapshot may delete objects this reader's view
+        still references: re-read the log and try again, as long as the log moved (spec
+        §17.4); an object missing from the newest log is missing. ``fn`` reads
+        :attr:`state` afresh on every call."""
         for _attempt in range(RETRIES_WHILE_THE_LOG_MOVES):
             seen = self.records[-1].seq if self.records else 0
             try:
@@ -187,7 +190,7 @@ class ChainReader:
             CorruptChainError: an object fails its checksum or cannot be decoded.
         """
         try:
-            return self._retry(lambda: self._materialize(self._check_step(step), progress))
+            return self.retrying(lambda: self._materialize(self._check_step(step), progress))
         except (LdformatError, OSError, MemoryError):
             raise
         except Exception as e:
@@ -227,7 +230,7 @@ class ChainReader:
             anchor = self.state.anchors.get(step)
             return anchor.extra if anchor is not None else self.state.deltas[step][1].extra
 
-        return check_extra(self._retry(encoded), f"{self.path} (step {step})")
+        return check_extra(self.retrying(encoded), f"{self.path} (step {step})")
 
     def stored_tensors(self, step: int | None = None) -> dict[str, torch.Tensor]:
         """The tensors of ``step``'s state under their stored names (spec §8), as replay holds
@@ -239,7 +242,7 @@ class ChainReader:
             replayer.sync_optimizer_tensors()
             return replayer.tensors
 
-        return self._retry(lambda: replayed(self._check_step(step)))
+        return self.retrying(lambda: replayed(self._check_step(step)))
 
     def start_replay(self, anchor_step: int) -> Replayer:
         """A replayer holding the state of anchor ``anchor_step``, checked (spec §9, §18)."""
@@ -312,6 +315,10 @@ class ChainReader:
 
     # -- sizes -------------------------------------------------------------------------
     def bytes_on_disk(self) -> int:
+        """The bytes of the objects, segments and log records the chain references."""
+        return self.retrying(self._bytes_on_disk)
+
+    def _bytes_on_disk(self) -> int:
         total = sum(a.object.size for a in self.state.anchors.values())
         total += sum(o.size for d in self.state.delta_entries() for o in d.objects)
         total += sum(g.object.size for g in self.state.segments)

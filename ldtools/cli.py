@@ -439,6 +439,11 @@ def _sharded_world_size(chain: str) -> int | None:
 
 def chain_info(reader: ChainReader) -> dict[str, Any]:
     full, full_error = _full_checkpoint_or_error(reader)  # first: it may re-read the log
+    # Sizes read every segment: one consistent view, re-read if a compaction removes one meanwhile.
+    return reader.retrying(lambda: _chain_info(reader, full, full_error))
+
+
+def _chain_info(reader: ChainReader, full: dict[str, int] | None, full_error: str | None) -> dict[str, Any]:
     state = reader.state
     anchors = sorted(state.anchors.items())
     delta_bytes = sum(o.size for d in state.delta_entries() for o in d.objects)
