@@ -40,6 +40,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ldformat.capture.runtime import DEFAULT_QUEUE_DEPTH
+
 from .workload import ModelSize
 
 # Same architecture family as workload.py; equal tokens per step (2 x 128) at every size.
@@ -54,7 +56,7 @@ QUICK_SIZES = [
 ]
 MODES = ("lowdiff", "lowdiff+", "xor")
 CONFIGS = ("none",) + MODES
-QUEUE_DEPTH = 2  # the Checkpointer's default: queue_depth + 1 buffer sets
+QUEUE_DEPTH: dict[str, int] = dict(DEFAULT_QUEUE_DEPTH)  # the Checkpointer's defaults: queue_depth + 1 buffer sets
 ANCHOR_EVERY = 1_000_000  # no scheduled anchor inside the run: anchors are timed apart
 K = 4  # materialize anchor + K deltas
 
@@ -75,7 +77,7 @@ def estimate_bytes(size: ModelSize, config: str, batch_steps: int) -> dict[str, 
     n = params_of(size)
     state = 12.0 * n  # fp32 weights + AdamW m, v
     train = 16.0 * n  # + the gradient
-    sets = QUEUE_DEPTH + 1
+    sets = QUEUE_DEPTH.get(config, 0) + 1
     if config == "none":
         pipe = 0.0
     elif config == "lowdiff":
@@ -84,7 +86,7 @@ def estimate_bytes(size: ModelSize, config: str, batch_steps: int) -> dict[str, 
     elif config == "lowdiff+":
         pipe = sets * 4.0 * n + state + batch_steps * 4.0 * n  # gradients, replica, compressed batch (bound)
     else:
-        pipe = sets * state + state + batch_steps * state  # copies of the state, XOR base, compressed batch (bound)
+        pipe = sets * state + state + batch_steps * state  # staged state, XOR base, compressed batch (bound)
     anchor = 2 * state  # creation: the anchor snapshot (+ the lowdiff+ replica's own copy), before any staging
     return {"params": n, "state": state, "training": train, "pipeline": pipe, "anchor_snapshot": anchor,
             "total": train + max(pipe, anchor)}
@@ -424,9 +426,10 @@ def report(res: dict[str, Any]) -> str:
                               if k.endswith("_bytes") and k != "total_bytes" and v)
                   + f"; {m['pipeline_buffers']['buffer_sets']} buffer sets)",
                   "Counted from the runtime's objects after the window: the tensors of every BufferSet of "
-                  "`ck.pool` (staging: `queue_depth + 1` = 3 captured steps), the writer's XOR base and XOR "
-                  "scratch, and the `lowdiff+` replica's tensors. Transient buffers (the compressed chunks of "
-                  "the batch being written, the anchor snapshot) are not in this count.")
+                  "`ck.pool` (staging: `queue_depth + 1` captured steps, the default: 3 for `lowdiff` and "
+                  "`lowdiff+`, 1 for `xor`), the writer's XOR base and XOR scratch, and the `lowdiff+` "
+                  "replica's tensors. Transient buffers (the compressed chunks of the batch being written, "
+                  "the anchor snapshot) are not in this count.")
     lines += grid("Peak RSS above `none` / raw state",
                   lambda m, s: "n/a" if m["peak_rss_over_none"] is None else
                   f"{m['peak_rss_over_none_per_state']:.2f}x ({human_bytes(m['peak_rss_over_none'])}); "

@@ -73,7 +73,9 @@ class CapturedStep:
     anchor: bool = False
     anchor_tensors: dict[str, torch.Tensor] | None = None  # full state for an anchor (grad kinds)
     optimizer: JSON = None  # the optimizer structure (spec §8.2) after the step: xor steps, anchors
-    owned: bool = True  # False: tensors are reused buffers, so the writer copies what it keeps
+    # True: the tensors are the caller's staging buffers, whose contents ChainWriter.append may
+    # overwrite (an XOR delta is computed in place); False: it only reads them.
+    scratch: bool = False
 
 
 def copy_to_host(name: str, t: torch.Tensor) -> torch.Tensor:

@@ -602,7 +602,8 @@ def _residual(root: ShardedRoot, name: str, pieces: list[torch.Tensor], where: s
 def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Mapping[int, Mapping[str, torch.Tensor]]
                      ) -> list[str]:
     """What differs between the rank chains' stored tensors of one step, by rank (spec §20.7
-    checks 4 and 5): names and dtypes, overlapping blocks of laid-out tensors, replicated tensors."""
+    checks 4 and 5): names and dtypes, overlapping blocks of laid-out tensors, replicated tensors
+    other than buffers."""
     from .state import bits_view
 
     def same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -612,6 +613,8 @@ def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Mapp
     problems = []
     base = tensors[0]
     names = {n for n in base if not n.startswith(("compressor/", "optimizer/ref/"))}
+    # Buffers are per rank (spec §20.4 item 3): FSDP2 does not synchronize BatchNorm statistics.
+    own = {f"model/{e['name']}" for e in schema["model"] if e.get("role") == "buffer"}
     for r, t in tensors.items():
         if r == 0:
             continue
@@ -641,7 +644,7 @@ def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Mapp
             if differ:
                 problems.append(f"rank {differ[0]}'s copy of a replicated block of {name} differs from an "
                                 "earlier rank's")
-        else:
+        elif name not in own:
             for r, p in by_rank.items():
                 if r and not same(p, by_rank[0]):
                     problems.append(f"rank {r}'s copy of the replicated tensor {name} differs from rank 0's")

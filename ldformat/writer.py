@@ -20,7 +20,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn, cast
@@ -495,6 +495,7 @@ class ChainWriter:
             anchor_tensors=anchor_tensors,
             anchor=anchor,
             optimizer=structure,
+            scratch=True,  # fresh host copies (capture_tensors, capture_gradients)
         )
         self._captured = None
         self._captures_since_record = 0
@@ -518,12 +519,14 @@ class ChainWriter:
     def anchors(self) -> list[int]:
         return sorted(self._state.anchors)
 
-    def append(self, captured: CapturedStep) -> None:
+    def append(self, captured: CapturedStep, encoded: Callable[[], None] | None = None) -> None:
         """Add a captured step to the current batch; commits when the batch is full.
 
         This is the part of :meth:`record_step` that may run off the training thread: the
         XOR against the previous step, encoding and I/O. ``captured.tensors`` may be reused
-        by the caller once this returns.
+        by the caller once this returns, or once ``encoded()`` is called: right after the
+        step's row is encoded, before any anchor or commit I/O (so that a staging buffer
+        goes back to training without waiting for the disk).
         """
         self._check_usable()
         step = captured.step
@@ -555,8 +558,8 @@ class ChainWriter:
             self._batch.start_row()
             for j, name, ct in sorted(slots, key=lambda s: s[0]):  # segment order is slot order (spec §10.1)
                 # The encoder consumes or copies what it is given, so reused buffers are fine.
-                self._batch.add(j, self._xor_delta(name, ct.bits) if xor else ct.bits, ct.indices)
                 self._batch_bytes += ct.bits.nbytes + (0 if ct.indices is None else ct.indices.nbytes)
+                self._batch.add(j, self._xor_delta(name, ct.bits, captured.scratch) if xor else ct.bits, ct.indices)
         except Exception as e:
             # Part of this row is encoded already: the pending batch can no longer be committed.
             self._failed = ChainError(f"{self.path}: encoding step {step} failed ({type(e).__name__}: {e}); "
@@ -566,12 +569,14 @@ class ChainWriter:
         self._row_steps.append(entry)
         self._last_step = step
         self._last_extra = captured.extra
+        if captured.anchor and captured.anchor_tensors is None and not xor:
+            raise UsageError(f"{self.path}: an anchor at step {step} needs anchor_tensors")
+        if encoded is not None:
+            encoded()
         if captured.anchor:
             tensors = captured.anchor_tensors
-            if tensors is None:
-                if self.kind != "state.xor":
-                    raise UsageError(f"{self.path}: an anchor at step {step} needs anchor_tensors")
-                tensors = {n: ct.to_tensor() for n, ct in captured.tensors.items()}
+            if tensors is None:  # xor: the base holds this step's bits now (the tensors may hold deltas)
+                tensors = {n: replace(ct, bits=self._xor_base[n]).to_tensor() for n, ct in captured.tensors.items()}
             self._write_anchor_object(step, tensors, captured.param_groups, captured.extra, captured.optimizer)
             self.commit()
         elif (self._batch.rows >= self.batch_steps or self._batch_bytes >= self.max_batch_bytes
@@ -598,16 +603,23 @@ class ChainWriter:
             raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.x refuses that")
         return j
 
-    def _xor_delta(self, name: str, bits: np.ndarray) -> np.ndarray:
-        """``bits`` XOR the previous step's bits, in the shared scratch buffer; moves the base on.
+    def _xor_delta(self, name: str, bits: np.ndarray, in_place: bool) -> np.ndarray:
+        """``bits`` XOR the previous step's bits; moves the base on to ``bits``.
 
-        One scratch buffer serves every tensor because the encoder is done with a delta
-        before the next one is computed.
+        ``in_place``: ``bits`` is a staging buffer that may be overwritten: the delta goes into
+        it, and the base moves on by XOR-ing the delta into it (``b ^ (b ^ x) == x``), so that
+        no copy of the state is needed besides the base. Otherwise the delta goes into one
+        shared scratch buffer (the encoder is done with a delta before the next one is
+        computed) and ``bits`` is copied into the base.
         """
         base = self._xor_base.get(name)
         if base is None or base.shape != bits.shape or base.dtype != bits.dtype:
             self._xor_base[name] = bits.copy()
             return bits  # no base: the delta is the value itself
+        if in_place:
+            np.bitwise_xor(bits, base, out=bits)
+            np.bitwise_xor(base, bits, out=base)
+            return bits
         if self._xor_scratch.nbytes < bits.nbytes:
             self._xor_scratch = np.empty(bits.nbytes, np.uint8)
         delta = self._xor_scratch[: bits.nbytes].view(bits.dtype)

@@ -426,6 +426,70 @@ def test_back_pressure_bounds_buffers_in_flight(tmp_path: Path, mode: str) -> No
     assert_chain_matches(path, refs, f"{mode} under back-pressure")
 
 
+class RecordingStore(LocalStore):
+    """Notes every object write, in order with the pool's releases (``events``)."""
+
+    events: list[str]
+
+    def write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.events.append(f"write {path.split('/')[0]}")
+        super().write(path, data)
+
+    def write_parts(self, path: str, parts: Any) -> None:
+        self.events.append(f"write {path.split('/')[0]}")
+        super().write_parts(path, parts)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_default_queue_depth_by_mode_and_buffers_back_before_disk_writes(tmp_path: Path, mode: str) -> None:
+    """xor holds one staging set (its steps are the whole state: 2x the state with the XOR base),
+    the gradient modes three; a set goes back to training once its step is encoded, before the
+    batch or anchor it belongs to is written, so a slow disk does not hold it."""
+    model, opt, _ = make_objects()
+    path = tmp_path / "chain"
+    path.mkdir()
+    store = RecordingStore(path)
+    store.events = []
+    ck = ldformat.Checkpointer(path, model, opt, mode=mode, anchor_every=3, batch_steps=1, topk_ratio=0.2,
+                               store=store)
+    assert ck.pool._free.qsize() == (1 if mode == "xor" else 3)
+    store.events.clear()  # the chain's creation
+    release = ck.pool.release
+
+    def noting_release(buffers: Any) -> None:
+        store.events.append("release")
+        release(buffers)
+
+    ck.pool.release = noting_release  # type: ignore[method-assign]
+    refs = {0: snapshot(model, opt)}
+    for step in range(1, 8):
+        plain_step(model, opt, step)
+        refs[step] = snapshot(model, opt)
+    ck.close()
+    events = [e for e in store.events if e in ("release", "write deltas", "write anchors")]
+    assert events.count("release") == 7, events
+    # Each step: its set is released, then its batch (and at steps 3 and 6 its anchor) is written.
+    steps, i = [], 0
+    while i < len(events):
+        assert events[i] == "release", events
+        j = i + 1
+        while j < len(events) and events[j] != "release":
+            j += 1
+        steps.append(events[i + 1:j])
+        i = j
+    assert [("write anchors" in w) for w in steps] == [False, False, True, False, False, True, False], steps
+    assert all("write deltas" in w for w in steps), steps
+    assert_chain_matches(path, refs, f"{mode} with the default queue depth")
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_queue_depth_must_be_a_count(tmp_path: Path, bad: Any) -> None:
+    model, opt, _ = make_objects()
+    with pytest.raises(ldformat.UsageError, match="queue_depth"):
+        ldformat.Checkpointer(tmp_path / "chain", model, opt, queue_depth=bad)
+    assert not (tmp_path / "chain").exists()
+
+
 def test_explicit_anchor_every_and_batch_steps_are_kept(tmp_path: Path) -> None:
     """The stall tuner may move "auto" values only.
 

@@ -256,7 +256,7 @@ def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.Monk
             for n in [n for n in base if n not in order]:
                 del base[n]
         writer.append(CapturedStep(step=step, stepped=True, hyper=None, param_groups=[], extra={}, tensors=tensors,
-                                   owned=False))
+                                   scratch=True))
         expected.append(row)
         if len(expected) == 3:
             all_rows.append((names, expected))

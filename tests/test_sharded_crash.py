@@ -183,3 +183,18 @@ def test_a_rank_that_cannot_write_never_gets_a_step_committed(tmp_path: Path, re
     assert reader.commit is not None and reader.commit.step in rank1.steps
     assert reader.latest_step is not None and reader.latest_step < STEPS
     _check_chain(tmp_path / "chain", reference)
+
+
+def test_a_rank_that_cannot_open_its_chain_stops_every_rank_at_once(tmp_path: Path, reference: list[Any]) -> None:
+    """Rank 1's very first object write fails, inside its Checkpointer's constructor: rank 0 learns
+    it at the opening's last collective and stops with rank 1's reason, instead of waiting for
+    the process group's timeout; nothing is committed, and the next job starts over cleanly."""
+    codes, outputs = _finish(_start(tmp_path, STEPS, rank_flags={1: ["--fault-after", "0"]}), EXIT_BOUND_S)
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    assert "No space left on device" in outputs[1], outputs[1]
+    assert "rank 1 could not open its checkpoint" in outputs[0], outputs[0]
+    assert "No space left on device" in outputs[0], outputs[0]
+    assert "step 1" not in outputs[0] and "step 1" not in outputs[1]  # no rank trained
+    assert not (tmp_path / "chain" / "commits").exists() or not any((tmp_path / "chain" / "commits").iterdir())
+    _run(tmp_path, STEPS)
+    assert _check_chain(tmp_path / "chain", reference) == STEPS

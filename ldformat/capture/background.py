@@ -33,7 +33,7 @@ class Queued(NamedTuple):
 
     captured: CapturedStep  # its extra is encoded by the background writer, from raw_extra
     raw_extra: dict[str, object]
-    buffers: BufferSet  # returned to the pool once the step is appended
+    buffers: BufferSet  # returned to the pool once the step is encoded
 
 
 class BackgroundWriter:
@@ -73,6 +73,14 @@ class BackgroundWriter:
                 break
             captured, raw_extra, buffers = item
             started = time.perf_counter()
+            released = False
+
+            def release() -> None:  # once the step is encoded: training may refill the buffers
+                nonlocal released
+                if not released:
+                    released = True
+                    self.pool.release(buffers)  # noqa: B023 (called within this iteration)
+
             try:
                 if self.error is None:
                     captured = replace(captured, extra=encode(raw_extra, "extra"))
@@ -80,7 +88,7 @@ class BackgroundWriter:
                     commits = self.writer.commits
                     if self.replica is not None:
                         captured = self.replica.apply(captured)
-                    self.writer.append(captured)
+                    self.writer.append(captured, encoded=release)
                     if self.writer.commits != commits:
                         self.stats.commits += self.writer.commits - commits
                         if self.on_commit is not None:
@@ -94,5 +102,5 @@ class BackgroundWriter:
             finally:
                 self.stats.background_wall_s += time.perf_counter() - started
                 self.stats.background_cpu_s = time.thread_time() - cpu_start
-                self.pool.release(buffers)
+                release()
                 self.queue.task_done()

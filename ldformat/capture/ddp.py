@@ -15,6 +15,8 @@ How the ranks are set up: docs/capture-runtime.md "Data-parallel `lowdiff`".
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -122,31 +124,6 @@ def peer_residual_tensors(topk: TopK, names: list[str], group: dist.ProcessGroup
     return tensors
 
 
-def _group_rank0(group: dist.ProcessGroup | None) -> int:
-    return int(dist.get_global_rank(group, 0)) if group is not None else 0
-
-
-def announce_start(group: dist.ProcessGroup | None, step: int | None, anchor_every: int | None,
-                   error: BaseException | None = None) -> None:
-    """Rank 0's side of :func:`learn_start` (a collective): the step its chain continues from
-    and its ``anchor_every``, or the error that stopped its Checkpointer, so that no peer waits
-    for an all-gather that rank 0 will never join."""
-    box: list[object] = [None if error is None else f"{type(error).__name__}: {error}", step, anchor_every]
-    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
-
-
-def learn_start(group: dist.ProcessGroup | None) -> tuple[int, int | None]:
-    """A peer's side of :func:`announce_start`: rank 0's start step and ``anchor_every``
-    (None when rank 0's is automatic)."""
-    box: list[object] = [None, None, None]
-    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
-    failed, step, anchor_every = box
-    if failed is not None:
-        raise LdformatError(f"rank 0's Checkpointer failed, so this rank stops too: {failed}")
-    assert isinstance(step, int) and (anchor_every is None or isinstance(anchor_every, int))
-    return step, anchor_every
-
-
 #: How long a rank waits for the others in the exchange of extra state: when the Checkpointers
 #: are constructed (a rank that constructs none is reported after this instead of hanging),
 #: and at each step (a rank that died, or stopped stepping).
@@ -177,11 +154,18 @@ class RankExtras:
                 f"{EXTRAS_TIMEOUT_S:g} s ({e}); with data parallelism every rank constructs it, with the same "
                 "arguments") from None
 
-    def exchange(self, rng: dict[str, object] | None, data: object) -> dict[str, dict[str, object]] | None:
-        """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank."""
+    def exchange(self, rng: dict[str, object] | None, data: object,
+                 digest: str | None = None) -> dict[str, dict[str, object]] | None:
+        """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank.
+
+        ``digest``: a sharded job's copy ranks and rank 0 pass the crc of their unsharded
+        tensors (:func:`~ldformat.capture.sharded.buffer_digest`); rank 0 raises when a copy
+        rank's differs from its own, since the chain holds no state of the copy rank's own."""
         gathered: list[object] | None = [None] * self.world if self.rank == 0 else None
+        mine: dict[str, object] = {"rng": rng or {}, "data": data}
         try:
-            dist.gather_object({"rng": rng or {}, "data": data}, gathered, dst=self.dst, group=self.group)
+            dist.gather_object(mine if digest is None else {**mine, "buffers": digest}, gathered, dst=self.dst,
+                               group=self.group)
         except (RuntimeError, dist.DistError) as e:
             raise LdformatError(f"data-parallel rank {self.rank}: the exchange of RNG states and data positions "
                                 f"with the other ranks failed ({e}); a rank died, or stopped stepping") from None
@@ -190,8 +174,41 @@ class RankExtras:
         out: dict[str, dict[str, object]] = {}
         for r, got in zip(self.ranks[1:], gathered[1:], strict=True):
             assert isinstance(got, dict)
+            theirs = got.pop("buffers", None)
+            if digest is not None and theirs is not None and theirs != digest:
+                raise LdformatError(
+                    f"copy rank {r}'s unsharded tensors (buffers such as BatchNorm statistics, or unsharded "
+                    f"parameters) differ from rank 0's: its replicas drift apart, and the chain, which records a "
+                    f"copy rank's state once for its replica group, cannot hold them (spec §20.2). Construct the "
+                    f"Checkpointer with copy_ranks=False, so that every rank writes its own rank chain")
             out[str(r)] = got
         return out
+
+    def announce_start(self, step: int | None, anchor_every: int | None, error: BaseException | None = None) -> None:
+        """Rank 0's side of :meth:`learn_start`: the step its chain continues from and its
+        ``anchor_every``, or the error that stopped its Checkpointer, so that no peer waits for
+        a collective that rank 0 will never join. On this gloo side group, not the training's
+        (whose NCCL collectives would need CUDA tensors)."""
+        box: list[object] = [None if error is None else f"{type(error).__name__}: {error}", step, anchor_every]
+        self._broadcast(box)
+
+    def learn_start(self) -> tuple[int, int | None]:
+        """A peer's side of :meth:`announce_start`: rank 0's start step and ``anchor_every``
+        (None when rank 0's is automatic)."""
+        box: list[object] = [None, None, None]
+        self._broadcast(box)
+        failed, step, anchor_every = box
+        if failed is not None:
+            raise LdformatError(f"rank 0's Checkpointer failed, so this rank stops too: {failed}")
+        assert isinstance(step, int) and (anchor_every is None or isinstance(anchor_every, int))
+        return step, anchor_every
+
+    def _broadcast(self, box: list[object]) -> None:
+        try:
+            dist.broadcast_object_list(box, src=self.dst, group=self.group)
+        except (RuntimeError, dist.DistError) as e:
+            raise LdformatError(f"data-parallel rank {self.rank}: the start handshake with rank 0 failed ({e}); "
+                                "a rank died while the Checkpointers were constructed") from None
 
 
 class ExtrasPeer:
@@ -203,12 +220,15 @@ class ExtrasPeer:
     Given ``compress`` (a copy rank in ``lowdiff`` mode, whose source rank's Checkpointer
     sparsifies the gradient the optimizer consumes), it sparsifies this rank's gradient the same
     way before every step, with its own residuals, so that the copy keeps its source's state.
+    Given ``digest``, it sends ``digest()`` with every step, which rank 0 compares with its own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, extras: RankExtras, *, start: int,
                  scaler: torch.amp.GradScaler | None = None, data: Stateful | None = None,
-                 compress: tuple[TopK, torch.nn.Module] | None = None) -> None:
+                 compress: tuple[TopK, torch.nn.Module] | None = None,
+                 digest: Callable[[], str | None] | None = None) -> None:
         self.data = data
+        self._digest = digest
         self.extras = extras
         self.step = start
         self._compress = compress
@@ -243,7 +263,7 @@ class ExtrasPeer:
         self.exchange()
 
     def exchange(self) -> None:
-        self.extras.exchange(capture_rng(), self._data_state())
+        self.extras.exchange(capture_rng(), self._data_state(), None if self._digest is None else self._digest())
 
     def _data_state(self) -> object:
         return self.data.state_dict() if self.data is not None else None
@@ -284,7 +304,7 @@ class ResidualPeer(ExtrasPeer):
             positive_interval(anchor_every, "anchor_every")
         extras = RankExtras(process_group)
         extras.exchange(capture_rng(), data.state_dict() if data is not None else None)  # the start step's
-        start, every = learn_start(process_group)
+        start, every = extras.learn_start()
         if compressor is not None and every is None:
             raise UsageError("ResidualPeer: rank 0's Checkpointer has an automatic anchor_every; data-parallel "
                              "'lowdiff' needs an integer one on every rank")

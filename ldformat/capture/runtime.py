@@ -50,9 +50,9 @@ from ..shards import has_dtensors, local
 from ..state import encode_param_groups
 from ..stores import Store
 from ..topk import TopK
-from ..writer import build_schema
+from ..writer import ChainWriter, build_schema
 from .background import BackgroundWriter, Queued
-from .ddp import ExtrasPeer, RankExtras, ResidualPeer, announce_start, peer_residual_tensors, world_size
+from .ddp import ExtrasPeer, RankExtras, ResidualPeer, peer_residual_tensors, world_size
 from .extra import Stateful, loop_extra
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
@@ -60,7 +60,16 @@ from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
 from .resume import load_anchor_residuals, open_writer
 from .rng import capture_rng
-from .sharded import DEFAULT_COMMIT_TIMEOUT_S, Committer, ShardedSetup, commit_now, newest_committed, rank_budget
+from .sharded import (
+    DEFAULT_COMMIT_TIMEOUT_S,
+    Committer,
+    ShardedSetup,
+    buffer_digest,
+    commit_now,
+    newest_committed,
+    rank_budget,
+    unsynchronized_statistics,
+)
 from .sharded import setup as sharded_setup
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
@@ -74,6 +83,8 @@ log = logging.getLogger("ldformat.capture")
 Mode = Literal["lowdiff", "lowdiff+", "xor"]
 MODES: dict[Mode, Kind] = {"lowdiff": "grad.topk", "lowdiff+": "grad.dense", "xor": "state.xor"}
 DEFAULT_MODE: Mode = "xor"
+#: Steps that may wait for the background writer, by mode: an ``xor`` step is the whole state.
+DEFAULT_QUEUE_DEPTH: dict[Mode, int] = {"lowdiff": 2, "lowdiff+": 2, "xor": 0}
 """The mode without a ``mode=`` argument: lossless, exact in any environment, any optimizer
 (docs/capture-runtime.md "The default mode" gives the measurements behind the choice)."""
 
@@ -140,7 +151,12 @@ class Checkpointer:
             written when it cannot hold two anchors of the current state. With a sharded
             model each rank's chain gets an equal share (``max_bytes`` divided by the world
             size), and a rank never drops the sharded chain's newest committed step.
-        queue_depth: steps that may wait for the background writer before training blocks.
+        queue_depth: steps that may wait for the background writer before training blocks
+            (each holds one staged copy of what a step captures). Default: 2 for ``lowdiff``
+            and ``lowdiff+``; 0 for ``xor``, whose steps are the whole state: training refills
+            the one staging set once the writer has encoded the previous step (it has the next
+            step's forward and backward to do so; the disk writes come after), so the pipeline
+            holds 2x the state (the set and the XOR base) instead of 4x.
         max_batch_bytes: a batch is committed early once its captured steps hold this much.
         stage_during_backward: ``lowdiff+`` copies each gradient to host memory as soon as
             backward has accumulated it, overlapping the copy with the rest of backward.
@@ -184,6 +200,13 @@ class Checkpointer:
             for one final sync, and warns if the mirror is still behind.
         commit_timeout: sharded models only: :meth:`close` on rank 0 waits at most this many
             seconds for every rank's last step before it commits it for all.
+        copy_ranks: sharded models only: whether a new chain may make a rank whose blocks are
+            those of a lower rank (a replica of hybrid sharding, HSDP) a copy rank that writes
+            nothing (spec §20.2). Default: yes, unless the model has BatchNorm layers with running
+            statistics (not SyncBatchNorm), which FSDP2 leaves different on every rank. ``False``
+            for replicas that drift apart by design (local SGD). With copy ranks, rank 0 compares
+            every copy rank's unsharded tensors with its own at every step and fails with a clear
+            error if they differ, rather than record a state the copy rank does not have.
 
     Sharded models (FSDP2 ``fully_shard``, tensor parallel, both): every rank constructs the
     Checkpointer with the same ``path`` (a collective) and calls :meth:`close`. Each rank
@@ -218,7 +241,7 @@ class Checkpointer:
         mtbf_hours: float = 24.0,
         max_lost_s: float = DEFAULT_MAX_LOST_S,
         max_bytes: int | None = None,
-        queue_depth: int = 2,
+        queue_depth: int | None = None,
         max_batch_bytes: int = 1 << 30,
         stage_during_backward: bool | None = None,
         step: int | None = None,
@@ -231,13 +254,16 @@ class Checkpointer:
         mirror_options: dict[str, Any] | None = None,
         mirror_timeout: float = DEFAULT_MIRROR_TIMEOUT_S,
         commit_timeout: float = DEFAULT_COMMIT_TIMEOUT_S,
+        copy_ranks: bool | None = None,
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if compressor is not None and mode != "lowdiff":
             raise UsageError(f"mode {mode!r} takes no compressor; use mode='lowdiff' with a TopK compressor")
-        if queue_depth < 1:
-            raise UsageError("queue_depth must be >= 1")
+        if queue_depth is None:
+            queue_depth = DEFAULT_QUEUE_DEPTH[mode]
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 0:
+            raise UsageError(f"queue_depth must be an integer >= 0, not {queue_depth!r}")
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
@@ -273,8 +299,13 @@ class Checkpointer:
                 if max_bytes is not None:
                     check_budget(max_bytes, model, optimizer, each_rank=True)
 
+            statistics = unsynchronized_statistics(model)
+            if copy_ranks is None and statistics:
+                log.info("%s: %s keep per-rank running statistics, so no rank is a copy rank (spec §20.2): every "
+                         "rank writes its own rank chain", self.path, ", ".join(statistics[:3]))
             sharded = sharded_setup(self.path, model, optimizer, kind=self.kind, group=process_group,
-                                    storage_options=storage_options, check=check)
+                                    storage_options=storage_options, check=check,
+                                    copies_allowed=copy_ranks if copy_ranks is not None else not statistics)
             rank_lock = sharded.lock
             if sharded.copies and isinstance(whole_budget, int):  # split over the rank chains that exist
                 max_bytes = whole_budget // len(sharded.chain_ranks)
@@ -292,6 +323,7 @@ class Checkpointer:
         # 'lowdiff', its top-k residuals at every anchor.
         data_parallel = self.world_size > 1
         copies = sharded.copies if self.sharded else {}
+        self._copies = bool(copies)
         self._passive = data_parallel and torch.distributed.get_rank(process_group) != 0
         self._peer: ExtrasPeer | None = None
         self._rank_extras: RankExtras | None = None
@@ -320,7 +352,7 @@ class Checkpointer:
             # Rank 0 records the RNG states and data positions of the ranks that write no chain
             # of their own: DDP's other ranks, a sharded job's copy ranks (spec §19.1, §20.2).
             self._rank_extras = RankExtras(process_group, [0, *sorted(copies)] if copies else None)
-            initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state())
+            initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state(), self._digest())
             if self.sharded and sharded.is_copy:  # its state is its source rank's chain's: it writes nothing
                 self._peer = self._copy_rank_peer(sharded, self._rank_extras, storage_options, step)
                 self._passive, self._rank_extras = True, None
@@ -335,29 +367,40 @@ class Checkpointer:
         self._last_step_bytes = 0
 
         started = time.perf_counter()
+        writer: ChainWriter | None = None
         try:
-            self.writer = open_writer(
-                str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
-                compressor=self.compressor, batch_steps=self.batch_steps, store=store,
-                first_extra=lambda: self._raw_extra(capture_rng(), self._data_state(), initial_ranks),
-                storage_options=storage_options, rank_chain=self.sharded, lock=rank_lock)
-            self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
-            if self.sharded:
-                if sharded.rank == 0:
+            try:
+                writer = open_writer(
+                    str(path), model, optimizer, kind=self.kind, mode=mode, step=step, truncate=truncate,
+                    compressor=self.compressor, batch_steps=self.batch_steps, store=store,
+                    first_extra=lambda: self._raw_extra(capture_rng(), self._data_state(), initial_ranks),
+                    storage_options=storage_options, rank_chain=self.sharded, lock=rank_lock)
+                if self.sharded and sharded.rank == 0:
                     self._committer = Committer(self.path, sharded.chain_ranks, storage_options, self.stats)
-                commit_now(self._committer, process_group, self.writer.durable_step)
-                self.writer.retain_at_most = newest_committed(self.path, storage_options)
+            except Exception as e:
+                if self.sharded:
+                    commit_now(None, process_group, failed=e)  # raises e once the other ranks know
+                raise
+            if self.sharded:
+                commit_now(self._committer, process_group)
+                writer.retain_at_most = newest_committed(self.path, storage_options)
         except BaseException as e:
-            if data_parallel:
-                announce_start(process_group, None, None, e)  # the peers stop too, at once
+            if data_parallel and self._rank_extras is not None:
+                self._rank_extras.announce_start(None, None, e)  # the peers stop too, at once
+            if self._committer is not None:
+                self._committer.stop()
+            if writer is not None:
+                writer.abort()
             raise
+        self.writer = writer
+        self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
         self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
-        if data_parallel:
-            announce_start(process_group, self._step, anchor_every if isinstance(anchor_every, int) else None)
+        if data_parallel and self._rank_extras is not None:
+            self._rank_extras.announce_start(self._step, anchor_every if isinstance(anchor_every, int) else None)
         schema = self.writer.root.schema
         self._param_names: list[str] = schema["optimizer"]["params"]
         self._buffer_names = [e["name"] for e in schema["model"] if e["role"] == "buffer" and e["alias_of"] is None]
@@ -407,15 +450,24 @@ class Checkpointer:
         its gradient as its source does, from the source's residuals at the step the chain
         continues from (which the source's writer loads too)."""
         compress = None
-        if self._compress and self.compressor is not None:
-            if sharded.committed is not None:
-                source = ChainReader(rank_location(self.path, sharded.copies[sharded.rank]),
-                                     storage_options=storage_options)
-                load_anchor_residuals(source, sharded.committed, self.compressor)
-            compress = (self.compressor, self.model)
-        commit_now(None, self.process_group, None)
+        try:
+            if self._compress and self.compressor is not None:
+                if sharded.committed is not None:
+                    source = ChainReader(rank_location(self.path, sharded.copies[sharded.rank]),
+                                         storage_options=storage_options)
+                    load_anchor_residuals(source, sharded.committed, self.compressor)
+                compress = (self.compressor, self.model)
+        except Exception as e:
+            commit_now(None, self.process_group, failed=e)  # raises e once the other ranks know
+        else:
+            commit_now(None, self.process_group)
         return ExtrasPeer(self.optimizer, extras, start=step if step is not None else 0, scaler=self.scaler,
-                          data=self.sampler, compress=compress)
+                          data=self.sampler, compress=compress, digest=self._digest)
+
+    def _digest(self) -> str | None:
+        """With copy ranks: the crc of this rank's unsharded tensors, which rank 0 compares with
+        every copy rank's at every step (a copy rank's state must be its source's)."""
+        return buffer_digest(self.model) if self._copies else None
 
     @property
     def anchor_every(self) -> int:
@@ -542,7 +594,7 @@ class Checkpointer:
                 pending.step - self._last_anchor >= self.anchor_every):
             pending.peer_residuals = peer_residual_tensors(self.compressor, self._param_names, self.process_group)
         if self._rank_extras is not None:
-            pending.ranks = self._rank_extras.exchange(pending.rng, pending.data)
+            pending.ranks = self._rank_extras.exchange(pending.rng, pending.data, self._digest())
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if nested_step(optimizer):
@@ -615,7 +667,7 @@ class Checkpointer:
             anchor=anchor,
             anchor_tensors=anchor_tensors,
             optimizer=structure,
-            owned=False,
+            scratch=True,  # the staging buffers, refilled only after the writer's encoded()
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
         self.stager.mark(pending.buffers)

@@ -116,12 +116,35 @@ def _mesh(model: torch.nn.Module, world: int) -> tuple[tuple[int, ...], tuple[st
     return (world,), None
 
 
+def unsynchronized_statistics(model: torch.nn.Module) -> list[str]:
+    """The BatchNorm layers of ``model`` that keep running statistics of their own rank's data:
+    FSDP2 and tensor parallelism do not synchronize buffers, so these differ between replicas
+    (SyncBatchNorm, which all-reduces them, is not listed)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [name for name, m in model.named_modules()
+            if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm) and m.track_running_stats]
+
+
+def buffer_digest(model: torch.nn.Module) -> str:
+    """A crc32c of this rank's buffers that are not DTensors (in ``state_dict`` order): a copy rank
+    sends it with every step so that rank 0 notices replicas whose buffers drifted apart."""
+    from ..jsonvalue import crc32c_extend
+
+    crc = 0
+    for t in model.state_dict(keep_vars=True).values():
+        if not is_dtensor(t) and t.numel():
+            crc = crc32c_extend(crc, t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return f"{crc:08x}"
+
+
 def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, kind: str, group: Any,
-          storage_options: dict[str, Any] | None, check: Any) -> ShardedSetup:
+          storage_options: dict[str, Any] | None, check: Any, copies_allowed: bool = True) -> ShardedSetup:
     """Agree with every rank on the layout and create (or check) ``sharded.json``.
 
     Collective: every rank of ``group`` calls it. ``check()`` runs each rank's own refusals
     (the schema of its rank chain) first, so that a refusal anywhere leaves nothing on disk.
+    ``copies_allowed``: whether a new chain may have copy ranks (spec §20.2; rank 0's says).
     """
     import torch.distributed as dist
 
@@ -150,7 +173,7 @@ def setup(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *
                 shard = Shard(r, tuple(offsets), tuple(lengths))
                 layouts[name] = Layout(dtype, tuple(shape), (*(lay.shards if lay else ()), shard))
         mesh_shape, dim_names = _mesh(model, world)
-        copies = copy_ranks(world, layouts)
+        copies = copy_ranks(world, layouts) if copies_allowed else {}
         root = ShardedRoot(chain_id=os.urandom(16).hex(), created=now(), kind=kind, world_size=world,
                            mesh_shape=mesh_shape, dim_names=dim_names, tensors=layouts, copies=copies,
                            format_version=COPIES_VERSION if copies else SHARDED_VERSION)
@@ -370,21 +393,48 @@ class Committer:
                     )
                 time.sleep(0.05)
         finally:
-            self._stop = True
-            self._wake.set()
-            self._thread.join(timeout=10)
+            self.stop()
         return self.committed
 
+    def stop(self) -> None:
+        """End the background polls (what is committed stays)."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
 
-def commit_now(committer: Committer | None, group: Any, durable: int | None) -> None:
-    """After every rank opened its chain: commit the step they all start from (collective)."""
+
+def commit_now(committer: Committer | None, group: Any, failed: BaseException | None = None) -> None:
+    """The opening's last collective: every rank calls it once its rank chain is open, or with
+    the error that stopped it (``failed``), so that a rank that failed to open never leaves the
+    others waiting for it until the process group's timeout. Then rank 0 commits the step they
+    all start from, and its failure to do so stops every rank as well."""
     import torch.distributed as dist
 
-    steps: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(steps, durable, group=group)
+    said: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, None if failed is None else _described(failed), group=group)
+    if failed is not None:
+        raise failed
+    for rank, why in enumerate(said):
+        if why is not None:
+            raise LdformatError(f"rank {rank} could not open its checkpoint ({why}), so this rank stops too; "
+                                "nothing was committed: fix that rank's problem and start the job again")
+    error: BaseException | None = None
     if committer is not None:
-        committer.poll()
+        try:
+            committer.poll()
+        except Exception as e:
+            error = e
+    box: list[Any] = [None if error is None else _described(error)]
+    dist.broadcast_object_list(box, src=_group_rank0(group), group=group)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise LdformatError(f"rank 0 could not commit the step the ranks start from ({box[0]}), so this rank "
+                            "stops too")
 
+
+def _described(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def rank_budget(max_bytes: int | None, group: Any) -> int | None:

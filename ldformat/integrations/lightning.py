@@ -154,7 +154,7 @@ class LdformatCheckpoint(Callback):
         batch_steps: Interval = "auto",
         max_stall: float = 0.035,
         mtbf_hours: float = 24.0,
-        queue_depth: int = 2,
+        queue_depth: int | None = None,
         storage_options: dict[str, Any] | None = None,  # Any: as Checkpointer and ChainReader take them
         mirror: str | os.PathLike[str] | None = None,
         mirror_options: dict[str, Any] | None = None,

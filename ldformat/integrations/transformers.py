@@ -120,7 +120,7 @@ class _CheckpointerOptions(TypedDict, total=False):
     mtbf_hours: float
     max_lost_s: float
     max_bytes: int | None
-    queue_depth: int
+    queue_depth: int | None
     max_batch_bytes: int
     stage_during_backward: bool | None
     extra: dict[str, object] | None
