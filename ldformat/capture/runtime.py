@@ -83,10 +83,11 @@ log = logging.getLogger("ldformat.capture")
 Mode = Literal["lowdiff", "lowdiff+", "xor"]
 MODES: dict[Mode, Kind] = {"lowdiff": "grad.topk", "lowdiff+": "grad.dense", "xor": "state.xor"}
 DEFAULT_MODE: Mode = "xor"
-#: Steps that may wait for the background writer, by mode: an ``xor`` step is the whole state.
-DEFAULT_QUEUE_DEPTH: dict[Mode, int] = {"lowdiff": 2, "lowdiff+": 2, "xor": 0}
 """The mode without a ``mode=`` argument: lossless, exact in any environment, any optimizer
 (docs/capture-runtime.md "The default mode" gives the measurements behind the choice)."""
+#: Steps that may wait for the background writer, by mode: an ``xor`` step is the whole state
+#: (benchmarks/results/queue_depth.md).
+DEFAULT_QUEUE_DEPTH: dict[Mode, int] = {"lowdiff": 2, "lowdiff+": 2, "xor": 0}
 
 
 @dataclass
