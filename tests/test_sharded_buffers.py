@@ -19,7 +19,7 @@ import launching
 import pytest
 import torch
 from models import bits
-from test_sharded import index_layout, state_diffs
+from sharded_state import index_layout, state_diffs
 
 import ldformat
 
