@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .anchor import anchor_parts, write_anchor_parts
-from .delta import Segment, encode_batch
+from .delta import Segment, encode_batch, undifference, zigzag
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .fold import ChainState
 from .jsonvalue import object_checksum_parts
@@ -106,6 +106,22 @@ def _original_path(state: ChainState, step: int, stop: int) -> list[int] | None:
         out.append(s)
         s = entry[1].base
     return list(reversed(out))
+
+
+def _one_encoding(state: ChainState, path: list[int], merged: dict[str, str]) -> bool:
+    """Whether every tensor has one slot encoding along ``path`` and in the runs merged before
+    (``merged``, updated when True; they share one batch, one slot per tensor): an XOR and a
+    difference cannot be combined without the base's bits, so such a run is folded into an
+    anchor instead."""
+    run: dict[str, str] = {}
+    for s in path:
+        for slot in state.deltas[s][0].slots:
+            if run.setdefault(slot.name, slot.encoding) != slot.encoding:
+                return False
+    if any(merged.get(name, enc) != enc for name, enc in run.items()):
+        return False
+    merged.update(run)
+    return True
 
 
 def compact(
@@ -226,6 +242,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
     depth: dict[int, int] = {}
     keep_delta: dict[int, StepEntry] = {}
     merges: dict[int, tuple[int, list[int]]] = {}
+    merged_encodings: dict[str, str] = {}
     kept_anchors: set[int] = set()
     prev: int | None = None
     for t in kept:
@@ -241,6 +258,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
             and prev is not None
             and depth[prev] + 1 <= limit
             and (p := _original_path(state, t, prev)) is not None
+            and _one_encoding(state, p, merged_encodings)
         ):
             depth[t] = depth[prev] + 1
             merges[t] = (prev, p)
@@ -327,7 +345,8 @@ def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorE
 
 
 def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]], written: list[str]) -> DeltaEntry:
-    """XOR the deltas of each merged run into one delta per kept step (exact)."""
+    """Merge the deltas of each run into one delta per kept step (exact): XOR the values of
+    ``xor`` slots, add the differences of ``sub`` slots mod 2^W (spec §17.2)."""
     state = reader.state
     slots: list[SlotInfo] = []
     slot_index: dict[str, int] = {}
@@ -347,10 +366,18 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
                 if name not in row:
                     raise ChainError(f"{reader.path}: {name} disappears between steps {base} and {t}; cannot merge")
             for name, (_, vals) in row.items():
-                info[name] = next(sl for sl in d.slots if sl.name == name)
-                acc[name] = vals.copy() if name not in acc else np.bitwise_xor(acc[name], vals)
+                slot = info[name] = next(sl for sl in d.slots if sl.name == name)
+                if slot.encoding == "sub":  # accumulated as plain differences, zigzagged at the end
+                    started = name in acc
+                    if not started:
+                        acc[name] = np.empty_like(vals)
+                    undifference(vals, acc[name], accumulate=started)
+                else:
+                    acc[name] = vals.copy() if name not in acc else np.bitwise_xor(acc[name], vals)
         row_out: dict[int, Segment] = {}
         for name, vals in acc.items():
+            if info[name].encoding == "sub":
+                zigzag(vals)
             j = slot_index.get(name)
             if j is None:
                 j = slot_index[name] = len(slots)

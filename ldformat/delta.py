@@ -281,10 +281,10 @@ MAX_COUNTS = 1 << 24
 MAX_SPARSE_INDEX = 1 << 32
 # Per array, the elements all rows of a batch hold together (a sanity bound: 2^48 elements).
 _MAX_ARRAY_ELEMENTS = 1 << 48
-_KIND_SLOTS: dict[str, dict[str, Encoding]] = {
-    "grad.topk": {"grad": "sparse", "model": "dense"},
-    "grad.dense": {"grad": "dense", "model": "dense"},
-    "state.xor": {"model": "xor", "optimizer": "xor"},
+_KIND_SLOTS: dict[str, dict[str, tuple[Encoding, ...]]] = {
+    "grad.topk": {"grad": ("sparse",), "model": ("dense",)},
+    "grad.dense": {"grad": ("dense",), "model": ("dense",)},
+    "state.xor": {"model": ("xor", "sub"), "optimizer": ("xor", "sub")},
 }
 
 
@@ -366,12 +366,12 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
         if slot.dtype not in _NP_DTYPES:
             raise CorruptChainError(f"{bad} has dtype {slot.dtype!r}, not one of spec §5.6.4")
         space, _, rest = name.partition("/")
-        encoding = allowed.get(space)
-        if encoding is None or not rest:
+        encodings = allowed.get(space)
+        if encodings is None or not rest:
             raise CorruptChainError(f"{bad} is not a slot name a {kind} chain uses (spec §10.3, §11)")
-        if slot.encoding != encoding:
+        if slot.encoding not in encodings:
             raise CorruptChainError(f"{bad} has encoding {slot.encoding!r}; a {kind} chain stores it as "
-                                    f"{encoding!r} (spec §11)")
+                                    f"{' or '.join(map(repr, encodings))} (spec §11)")
         if space == "grad":
             i = _index(rest)
             if i is None or i >= len(params):
@@ -945,6 +945,15 @@ def fill_from_segment(out: torch.Tensor, seg: Segment) -> None:
         view[torch.from_numpy(idx)] = signed
 
 
+def _flat_bits(target: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """The bits of ``target`` as a flat unsigned numpy array, and whether it is ``target``'s own
+    memory (a contiguous CPU tensor) rather than a copy to be written back."""
+    view = bits_view(target)
+    own = view.device.type == "cpu" and view.is_contiguous() and not view.requires_grad
+    flat = view.reshape(-1) if own else view.detach().to("cpu").contiguous().reshape(-1)
+    return flat.numpy().view(WIDTH_DTYPES[target.element_size()]), own
+
+
 def xor_into(target: torch.Tensor, seg: Segment) -> None:
     """``target ^= bits`` in place, on the raw bits of ``target``.
 
@@ -962,3 +971,101 @@ def xor_into(target: torch.Tensor, seg: Segment) -> None:
         np.bitwise_xor(flat, signed, out=flat)
         return
     view.reshape(-1).bitwise_xor_(torch.from_numpy(signed))
+
+
+# -- difference coding (slot encoding ``sub``, spec §11.3) -----------------------------------
+# Elements per pass: chunks of 128 Ki elements stay in the L2 cache, so the subtraction, the
+# base update and the zigzag cost about the memory traffic of the two XORs they replace.
+_SUB_CHUNK = 1 << 17
+_SIGNED_WIDTH: dict[int, type[np.int8 | np.int16 | np.int32 | np.int64]] = {
+    1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _zigzag_chunk(d: np.ndarray, tmp: np.ndarray) -> None:
+    """``d = (d << 1) XOR (d >>arith (W - 1))`` in place: small differences of either sign
+    become small unsigned numbers (0, -1, 1, -2 ... -> 0, 1, 2, 3 ...)."""
+    signed = _SIGNED_WIDTH[d.dtype.itemsize]
+    np.right_shift(d.view(signed), d.dtype.itemsize * 8 - 1, out=tmp.view(signed))
+    np.left_shift(d, 1, out=d)
+    np.bitwise_xor(d, tmp, out=d)
+
+
+def _unzigzag_chunk(z: np.ndarray, out: np.ndarray, tmp: np.ndarray) -> None:
+    """``out = (z >> 1) XOR -(z AND 1)``, the inverse of :func:`_zigzag_chunk` (``out`` may be ``z``)."""
+    np.bitwise_and(z, 1, out=tmp)
+    np.negative(tmp, out=tmp)  # 0 or all ones (unsigned arithmetic wraps)
+    np.right_shift(z, 1, out=out)
+    np.bitwise_xor(out, tmp, out=out)
+
+
+def difference_delta(bits: np.ndarray, base: np.ndarray | None, out: np.ndarray) -> None:
+    """A ``sub`` slot's values: ``out = zigzag((bits - base) mod 2^W)``, and ``base`` moves on to
+    ``bits``. Flat unsigned arrays of one width; ``out`` may be ``bits`` (then ``bits`` is
+    overwritten). ``base`` None: the tensor appears, and is coded against all-zero bits."""
+    n = bits.shape[0]
+    tmp = np.empty(min(n, _SUB_CHUNK), bits.dtype)
+    for i in range(0, n, _SUB_CHUNK):
+        b, o = bits[i:i + _SUB_CHUNK], out[i:i + _SUB_CHUNK]
+        if base is None:
+            if o is not b:
+                np.copyto(o, b)
+        else:
+            a = base[i:i + _SUB_CHUNK]
+            np.subtract(b, a, out=o)  # o = d (wraps mod 2^W)
+            np.add(a, o, out=a)  # a + d = the new bits, whether or not o is b
+        _zigzag_chunk(o, tmp[: o.shape[0]])
+
+
+def undifference(values: np.ndarray, out: np.ndarray, accumulate: bool) -> None:
+    """``out (+)= unzigzag(values)`` mod 2^W: apply a ``sub`` slot's values to ``out`` (its
+    base's bits), or with ``accumulate`` False decode them into ``out`` (a merge's start)."""
+    n = values.shape[0]
+    if out.shape[0] != n:
+        raise ValueError(f"difference of {n} elements applied to a tensor of {out.shape[0]}")
+    width = WIDTH_DTYPES[values.dtype.itemsize]
+    values, out = values.view(width), out.view(width)
+    tmp = np.empty(min(n, _SUB_CHUNK), width)
+    dec = np.empty(min(n, _SUB_CHUNK), width) if accumulate else None
+    for i in range(0, n, _SUB_CHUNK):
+        z, o = values[i:i + _SUB_CHUNK], out[i:i + _SUB_CHUNK]
+        if dec is None:
+            _unzigzag_chunk(z, o, tmp[: z.shape[0]])
+        else:
+            d = dec[: z.shape[0]]
+            _unzigzag_chunk(z, d, tmp[: z.shape[0]])
+            np.add(o, d, out=o)
+
+
+def zigzag(values: np.ndarray) -> None:
+    """Zigzag a flat unsigned array in place (a merged ``sub`` delta's accumulated difference)."""
+    tmp = np.empty(min(values.shape[0], _SUB_CHUNK), values.dtype)
+    for i in range(0, values.shape[0], _SUB_CHUNK):
+        c = values[i:i + _SUB_CHUNK]
+        _zigzag_chunk(c, tmp[: c.shape[0]])
+
+
+def sub_into(target: torch.Tensor, seg: Segment) -> None:
+    """``bits(target) += unzigzag(values)`` mod 2^W in place: replay of a ``sub`` slot (spec §11.6)."""
+    _, vals = seg
+    flat, own = _flat_bits(target)
+    undifference(np.ascontiguousarray(vals), flat, accumulate=True)
+    if not own:
+        bits_view(target).reshape(-1).copy_(torch.from_numpy(flat.view(SIGNED_NP[flat.dtype.itemsize])))
+
+
+def apply_state_delta(target: torch.Tensor, seg: Segment, encoding: str) -> None:
+    """Apply one ``state.xor`` slot to the tensor it changes: XOR (``xor``) or addition (``sub``)."""
+    if encoding == "sub":
+        sub_into(target, seg)
+    else:
+        xor_into(target, seg)
+
+
+def state_delta_tensor(seg: Segment, slot: SlotInfo) -> torch.Tensor:
+    """The tensor a ``state.xor`` slot creates where its base has none (spec §11.3: the base is
+    all-zero bits, so an ``xor`` slot holds the bits and a ``sub`` slot their zigzag)."""
+    t = segment_to_tensor(seg, slot)
+    if slot.encoding == "sub":
+        flat, _ = _flat_bits(t)
+        undifference(flat, flat, accumulate=False)
+    return t

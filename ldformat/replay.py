@@ -3,7 +3,8 @@
 ``grad.*`` deltas are replayed by rebuilding the recorded ``torch.optim`` optimizer over the
 anchor's tensors, setting each parameter's ``grad`` to the recorded gradient (``None`` where
 the step had none), restoring the hyperparameters the live optimizer used in that step, and
-calling ``step()``. ``state.xor`` deltas are applied by XOR on the raw bits.
+calling ``step()``. ``state.xor`` deltas are applied to the raw bits: by XOR, or by
+addition for ``sub`` slots.
 
 Everything replay relies on is checked by :mod:`ldformat.checks` before it is used, so a
 malformed chain raises :class:`CorruptChainError` naming the file and step. The optimizer is
@@ -31,7 +32,7 @@ from .checks import (
     parse_index,
     xor_step_changes,
 )
-from .delta import Segment, dense_view, fill_from_segment, segment_to_tensor, xor_into
+from .delta import Segment, apply_state_delta, dense_view, fill_from_segment, segment_to_tensor, state_delta_tensor
 from .errors import CorruptChainError
 from .jsonvalue import JSON, dtype_name, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
@@ -210,10 +211,10 @@ class Replayer:
         new = {slot.name for slot in added}
         for name, seg in row.items():
             if name in new:
-                self.tensors[name] = segment_to_tensor(seg, slots[name])
+                self.tensors[name] = state_delta_tensor(seg, slots[name])
             else:
                 with torch.no_grad():
-                    xor_into(self.tensors[name], seg)
+                    apply_state_delta(self.tensors[name], seg, slots[name].encoding)
         self.param_groups = entry.param_groups
         self.extra = entry.extra
         self.optimizer_structure = entry.optimizer

@@ -39,7 +39,7 @@ from .captured import (
     live_buffers,
     nested_step,
 )
-from .delta import MAX_COUNTS, BatchEncoder, tensor_bits
+from .delta import MAX_COUNTS, BatchEncoder, difference_delta, tensor_bits
 from .environment import current_environment
 from .errors import (
     ChainError,
@@ -78,6 +78,7 @@ from .manifest import (
     SlotInfo,
     StepEntry,
     minor_version,
+    state_delta_encoding,
 )
 from .optstate import live_optimizer_state, probe_unstorable_state
 from .reader import ChainReader, chain_name, open_store
@@ -101,7 +102,7 @@ log = logging.getLogger("ldformat")
 
 
 #: Versions :meth:`ChainWriter.create` can write (1.0 and 1.1 chains are only appended to).
-WRITABLE_VERSIONS = ("1.2", "1.3", "1.4", "1.5")
+WRITABLE_VERSIONS = ("1.2", "1.3", "1.4", "1.5", "1.6")
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,9 @@ class ChainWriter:
         self._pending_deltas: list[DeltaEntry] = []
         self._written: list[str] = []
         self._xor_base: dict[str, np.ndarray] = {}
-        self._xor_scratch = np.empty(0, np.uint8)  # reused for every XOR delta (the largest tensor's size)
+        self._xor_scratch = np.empty(0, np.uint8)  # reused for every state delta (the largest tensor's size)
+        #: How state.xor slots are coded: ``sub`` (differences) from format 1.6 on, else ``xor``.
+        self._state_encoding = state_delta_encoding(root.format_version)
         self._failed: LdformatError | None = None
         self._pending_root: RootMetadata | None = None  # set while a chain is being created
         self.max_batch_bytes = 1 << 30  # a batch is committed early once its rows hold this much
@@ -243,8 +246,10 @@ class ChainWriter:
             store: an explicit store (``path`` then only names the chain).
             storage_options: object store settings overriding the environment variables.
             format_version: the version the root records (spec §3.1). An older one (down to
-                1.2) keeps the chain readable by older readers: it then holds no segments
-                (spec §7.9), and this writer writes no snapshot records into it by default.
+                1.2) keeps the chain readable by older readers: before 1.6 its ``state.xor``
+                slots are XORs, not differences (spec §11.3); before 1.5 it holds no
+                segments (spec §7.9), and this writer writes no snapshot records into it by
+                default.
 
         Raises:
             ChainExistsError: ``path`` already holds a chain.
@@ -542,8 +547,8 @@ class ChainWriter:
             for name in [n for n in self._xor_base if n not in captured.tensors]:
                 del self._xor_base[name]
         # Check every tensor before encoding any: a refused step must leave no part of a row behind.
-        slots = [(self._slot(name, ct, "xor" if xor else "dense" if ct.indices is None else "sparse"), name, ct)
-                 for name, ct in captured.tensors.items()]
+        slots = [(self._slot(name, ct, self._state_encoding if xor else "dense" if ct.indices is None else "sparse"),
+                  name, ct) for name, ct in captured.tensors.items()]
         entry = StepEntry(
             step=step,
             base=step - 1,
@@ -559,7 +564,8 @@ class ChainWriter:
             for j, name, ct in sorted(slots, key=lambda s: s[0]):  # segment order is slot order (spec §10.1)
                 # The encoder consumes or copies what it is given, so reused buffers are fine.
                 self._batch_bytes += ct.bits.nbytes + (0 if ct.indices is None else ct.indices.nbytes)
-                self._batch.add(j, self._xor_delta(name, ct.bits, captured.scratch) if xor else ct.bits, ct.indices)
+                self._batch.add(j, self._state_delta(name, ct.bits, captured.scratch) if xor else ct.bits,
+                                ct.indices)
         except Exception as e:
             # Part of this row is encoded already: the pending batch can no longer be committed.
             self._failed = ChainError(f"{self.path}: encoding step {step} failed ({type(e).__name__}: {e}); "
@@ -603,28 +609,38 @@ class ChainWriter:
             raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.x refuses that")
         return j
 
-    def _xor_delta(self, name: str, bits: np.ndarray, in_place: bool) -> np.ndarray:
-        """``bits`` XOR the previous step's bits; moves the base on to ``bits``.
+    def _state_delta(self, name: str, bits: np.ndarray, in_place: bool) -> np.ndarray:
+        """The ``state.xor`` slot values of ``bits`` against the previous step's bits (their XOR,
+        or with encoding ``sub`` the zigzag of their difference, spec §11.3); moves the base on
+        to ``bits``.
 
         ``in_place``: ``bits`` is a staging buffer that may be overwritten: the delta goes into
-        it, and the base moves on by XOR-ing the delta into it (``b ^ (b ^ x) == x``), so that
-        no copy of the state is needed besides the base. Otherwise the delta goes into one
-        shared scratch buffer (the encoder is done with a delta before the next one is
-        computed) and ``bits`` is copied into the base.
+        it, and the base moves on by applying the delta to it (``b ^ (b ^ x) == x``,
+        ``b + (x - b) == x``), so that no copy of the state is needed besides the base.
+        Otherwise the delta goes into one shared scratch buffer (the encoder is done with a
+        delta before the next one is computed) and ``bits`` is copied into the base.
         """
+        sub = self._state_encoding == "sub"
         base = self._xor_base.get(name)
         if base is None or base.shape != bits.shape or base.dtype != bits.dtype:
             self._xor_base[name] = bits.copy()
-            return bits  # no base: the delta is the value itself
+            if not sub:
+                return bits  # no base: the delta is the value itself
+            base = None  # coded against all-zero bits
         if in_place:
+            delta = bits
+        else:
+            if self._xor_scratch.nbytes < bits.nbytes:
+                self._xor_scratch = np.empty(bits.nbytes, np.uint8)
+            delta = self._xor_scratch[: bits.nbytes].view(bits.dtype)
+        if sub:
+            difference_delta(bits, base, delta)
+        elif in_place:
             np.bitwise_xor(bits, base, out=bits)
             np.bitwise_xor(base, bits, out=base)
-            return bits
-        if self._xor_scratch.nbytes < bits.nbytes:
-            self._xor_scratch = np.empty(bits.nbytes, np.uint8)
-        delta = self._xor_scratch[: bits.nbytes].view(bits.dtype)
-        np.bitwise_xor(bits, base, out=delta)
-        np.copyto(base, bits)
+        else:
+            np.bitwise_xor(bits, base, out=delta)
+            np.copyto(base, bits)
         return delta
 
     def _reset_xor_base_from_live(self) -> None:

@@ -218,14 +218,30 @@ def _objects_of_batches(path: Path, writer: ldformat.ChainWriter) -> list[tuple[
     return out
 
 
-@pytest.mark.parametrize("kind", ["grad.dense", "state.xor"])
-def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
-    """Reused capture buffers, tensors in changing order, one appearing and one absent."""
+def reference_difference(new: np.ndarray, prev: np.ndarray | None) -> np.ndarray:
+    """Spec §11.3's ``sub`` values in Python integers: zigzag((new - prev) mod 2^W), where an
+    absent base is all-zero bits."""
+    width = 8 * new.dtype.itemsize
+    out = []
+    for i, x in enumerate(new.tolist()):
+        d = (x - (0 if prev is None else int(prev[i]))) % (1 << width)
+        signed = d - (1 << width) if d >= 1 << (width - 1) else d
+        out.append(2 * signed if signed >= 0 else -2 * signed - 1)
+    return np.array(out, dtype=new.dtype)
+
+
+@pytest.mark.parametrize(("kind", "version"), [("grad.dense", "1.6"), ("state.xor", "1.5"), ("state.xor", "1.6")])
+def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
+                                        version: str) -> None:
+    """Reused capture buffers, tensors in changing order, one appearing and one absent; a
+    state.xor chain of format 1.5 stores XORs, one of 1.6 differences (spec §11.3)."""
     monkeypatch.setattr(delta, "CHUNK_BYTES", 64)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "chain"
-    writer = ldformat.ChainWriter.create(path, model, opt, kind=kind, batch_steps=3, capture_hook=False)
+    writer = ldformat.ChainWriter.create(path, model, opt, kind=kind, batch_steps=3, capture_hook=False,
+                                         format_version=version)
+    sub = kind == "state.xor" and version == "1.6"
     rng = np.random.default_rng(2)
     buffers = {"a": np.zeros(37, np.uint32), "b": np.zeros(10, np.uint16), "c": np.zeros(0, np.uint64),
                "d": np.zeros(70, np.uint8), "e": np.zeros(9, np.uint64)}
@@ -248,7 +264,10 @@ def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.Monk
             j = names.setdefault(n, len(names))
             if kind == "state.xor":
                 prev = base.get(n)
-                row[j] = (None, b.copy() if prev is None else np.bitwise_xor(b, prev))
+                if sub:
+                    row[j] = (None, reference_difference(b, prev))
+                else:
+                    row[j] = (None, b.copy() if prev is None else np.bitwise_xor(b, prev))
                 base[n] = b.copy()
             else:
                 row[j] = (None if indices is None else indices.copy(), vals.copy())
@@ -267,6 +286,8 @@ def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.Monk
     assert len(batches) == 2
     for (entry, objects), (slot_names, rows) in zip(batches, all_rows, strict=True):
         assert [s.name for s in entry.slots] == [f"t/{n}" for n in slot_names]
+        if kind == "state.xor":
+            assert {s.encoding for s in entry.slots} == ({"sub"} if sub else {"xor"})
         first, last = entry.steps[0].step, entry.steps[-1].step
         with chunk_bytes(64):
             want = reference_encode_batch(list(entry.slots), rows, {"kind": kind, "first": first, "last": last})

@@ -1,0 +1,189 @@
+"""``state.xor`` slots coded as XOR (format 1.5) against differences (``sub``, format 1.6).
+
+    python -m benchmarks.state_encoding               # the fixed 29.5M workload
+    python -m benchmarks.state_encoding --quick       # the quick workload, a minute
+
+One training run (``benchmarks.workload.Trainer``, AdamW) and two ``ChainWriter`` chains of
+kind ``state.xor`` over the same live model and optimizer: one created as format 1.5 (every
+slot ``xor``), one as 1.6 (every slot ``sub``, spec §11.3). After ``--warmup`` training steps
+both chains are created (anchor at that step); then every measured step is recorded into both,
+in an order that alternates from step to step. Reported per chain:
+
+- delta bytes per step (every object of the delta batches, metadata included) against the raw
+  state (every stored tensor's bytes);
+- CPU per recorded step: ``time.process_time()`` around ``record_step``, which snapshots the
+  state, computes the delta, compresses, checksums and, every ``batch_steps`` steps, writes
+  and fsyncs the batch and its commit record: what the capture runtime's background thread
+  spends on a step, on the training thread here so that nothing else runs meanwhile;
+- ``materialize`` of the last step (anchor + every measured delta), wall time, rounds
+  interleaved with the order alternating, and bit for bit against the live state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ldformat
+
+from .stats import bootstrap_ci, human_bytes, median
+from .workload import QUICK_WORKLOAD, WORKLOAD, ModelSize, Trainer, configure_threads, n_params
+
+ENCODINGS = {"xor": "1.5", "sub": "1.6"}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _live_bits(trainer: Trainer) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": _bits(v).clone() for k, v in trainer.model.state_dict().items()}
+    for i, st in trainer.optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"optimizer/{i}/{k}"] = _bits(v).clone()
+    return out
+
+
+def _same(state: dict[str, Any], live: dict[str, torch.Tensor]) -> bool:
+    got = {f"model/{k}": _bits(v) for k, v in state["model"].items()}
+    for i, st in state["optimizer"]["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                got[f"optimizer/{i}/{k}"] = _bits(v)
+    return got.keys() == live.keys() and all(torch.equal(got[n], live[n]) for n in live)
+
+
+def _delta_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path / "deltas").rglob("*") if p.is_file())
+
+
+def run(size: ModelSize, warmup: int, steps: int, rounds: int, workdir: Path) -> dict[str, Any]:
+    trainer = Trainer(size)
+    trainer.prefetch(1, warmup + steps)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        trainer.step()
+    train_s = time.perf_counter() - t0
+    writers = {enc: ldformat.ChainWriter.create(workdir / enc, trainer.model, trainer.optimizer, kind="state.xor",
+                                                format_version=version, batch_steps=4, capture_hook=False,
+                                                step=warmup)
+               for enc, version in ENCODINGS.items()}
+    raw = sum(t.nbytes for t in _live_bits(trainer).values())
+    cpu: dict[str, list[float]] = {enc: [] for enc in ENCODINGS}
+    order = list(ENCODINGS)
+    for i in range(steps):
+        trainer.step()
+        for enc in order if i % 2 == 0 else order[::-1]:
+            c0 = time.process_time()
+            writers[enc].record_step(warmup + i + 1)
+            cpu[enc].append(time.process_time() - c0)
+    for w in writers.values():
+        w.close()
+    live = _live_bits(trainer)
+    last = warmup + steps
+    mat: dict[str, list[float]] = {enc: [] for enc in ENCODINGS}
+    exact = {enc: True for enc in ENCODINGS}
+    for r in range(rounds):
+        for enc in order if r % 2 == 0 else order[::-1]:
+            t0 = time.perf_counter()
+            state = ldformat.ChainReader(workdir / enc).materialize(last)
+            mat[enc].append(time.perf_counter() - t0)
+            exact[enc] = exact[enc] and _same(state, live)
+            del state
+    slots = {enc: sorted({s.encoding for e in ldformat.ChainReader(workdir / enc).state.delta_entries()
+                          for s in e.slots}) for enc in ENCODINGS}
+    out: dict[str, Any] = {"model": size.to_dict(), "parameters": n_params(trainer.model), "warmup": warmup,
+                           "steps": steps, "rounds": rounds, "raw_state_bytes": raw,
+                           "warmup_train_s_per_step": train_s / max(1, warmup), "chains": {}}
+    for enc, version in ENCODINGS.items():
+        per_step = _delta_bytes(workdir / enc) / steps
+        out["chains"][enc] = {
+            "format_version": version, "slot_encodings": slots[enc],
+            "delta_bytes_per_step": per_step, "ratio": per_step / raw,
+            "record_cpu_s": cpu[enc], "record_cpu_median_s": median(cpu[enc]),
+            "record_cpu_ci": bootstrap_ci(cpu[enc]),
+            "materialize_s": mat[enc], "materialize_median_s": median(mat[enc]), "exact": exact[enc],
+        }
+    return out
+
+
+def report(res: dict[str, Any], command: str) -> str:
+    xor, sub = res["chains"]["xor"], res["chains"]["sub"]
+    lines = [
+        "# state.xor slots: XOR (format 1.5) against differences (`sub`, format 1.6)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: 2-core AMD EPYC, no GPU; torch {torch.__version__}, ldformat {ldformat.__version__}. "
+        f"Workload: {res['parameters'] / 1e6:.1f}M parameters, AdamW; {res['warmup']} warm-up steps, then "
+        f"{res['steps']} recorded steps into both chains (order alternating by step), batches of 4 steps; "
+        f"materialize of the last step (anchor + {res['steps']} deltas) {res['rounds']} rounds interleaved. "
+        f"Raw state per step: {human_bytes(res['raw_state_bytes'])}.",
+        "",
+        "| slots | format | delta bytes/step | / raw state | record CPU core-s/step, median [95% CI] "
+        "| materialize s (median of rounds) | bit-exact vs live |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for enc, c in res["chains"].items():
+        lo, hi = c["record_cpu_ci"]
+        lines.append(f"| {', '.join(c['slot_encodings'])} | {c['format_version']} | "
+                     f"{human_bytes(c['delta_bytes_per_step'])} | {c['ratio']:.3f}x | "
+                     f"{c['record_cpu_median_s']:.3f} [{lo:.3f}, {hi:.3f}] | {c['materialize_median_s']:.2f} | "
+                     f"{'yes' if c['exact'] else '**NO**'} |")
+    lines += [
+        "",
+        f"`sub` against `xor`: bytes {sub['ratio'] / xor['ratio']:.3f}x "
+        f"({(1 - sub['ratio'] / xor['ratio']) * 100:.1f}% fewer, "
+        f"{human_bytes(xor['delta_bytes_per_step'] - sub['delta_bytes_per_step'])} per step), record CPU "
+        f"{sub['record_cpu_median_s'] / xor['record_cpu_median_s']:.2f}x, materialize "
+        f"{sub['materialize_median_s'] / xor['materialize_median_s']:.2f}x.",
+        "",
+        "Record CPU includes the state snapshot (a copy of every tensor), the delta, compression, crc32c and, every "
+        "4th step, the batch's writes, fsync and commit record, for both chains alike.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the quick workload")
+    ap.add_argument("--warmup", type=int, default=None, help="training steps before the chains start (default 20)")
+    ap.add_argument("--steps", type=int, default=None, help="recorded steps (default 12; --quick 8)")
+    ap.add_argument("--rounds", type=int, default=3, help="materialize rounds per chain")
+    ap.add_argument("--out", type=Path, default=None, help="output directory (default benchmarks/results; "
+                                                              "--quick: benchmarks/results/quick)")
+    ap.add_argument("--workdir", type=Path, default=None, help="where the chains go (default: a temp dir)")
+    args = ap.parse_args(argv)
+    configure_threads()
+    size = QUICK_WORKLOAD if args.quick else WORKLOAD
+    warmup = args.warmup if args.warmup is not None else (5 if args.quick else 20)
+    steps = args.steps if args.steps is not None else (8 if args.quick else 12)
+    out = args.out or Path("benchmarks/results") / ("quick" if args.quick else "")
+    work = Path(tempfile.mkdtemp(prefix="ldbench-enc-", dir=args.workdir))
+    try:
+        res = run(size, warmup, steps, args.rounds, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    command = "python -m benchmarks.state_encoding" + (" --quick" if args.quick else "")
+    text = report(res, command)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "state_encoding.md").write_text(text)
+    (out / "state_encoding.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(text)
+    return 0 if all(c["exact"] for c in res["chains"].values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

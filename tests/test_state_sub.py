@@ -1,0 +1,227 @@
+"""Difference-coded state deltas (slot encoding ``sub``, format 1.6, spec §11.3): the spec's test
+vectors, the codec's round trip at every width and across its chunks, chains of 1.5 (XOR) and
+1.6 (differences) replayed bit for bit against live training, merges and the runs compaction
+must fold instead, and slots that a chain's kind does not allow."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from models import TinyNet, assert_state_bits_equal, snapshot, train_step
+
+import ldformat
+from ldformat import delta
+from ldformat.delta import check_slots, difference_delta, undifference, zigzag
+from ldformat.errors import CorruptChainError
+from ldformat.manifest import SlotInfo, state_delta_encoding
+
+SPEC = Path(__file__).parent.parent / "spec" / "ldformat.md"
+WIDTHS = {"float32": np.uint32, "bfloat16": np.uint16, "int64": np.uint64, "uint8": np.uint8}
+
+
+def spec_vectors() -> list[tuple[str, str | None, str, str, str]]:
+    """(dtype, base or None, new, xor values, sub values) from the table in spec §11.3."""
+    text = SPEC.read_text()
+    section = text[text.index("### 11.3 `state.xor`"): text.index("### 11.4 Replay path")]
+    table = section[section.index("*Test vectors*"):]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 5 or cells[0] not in WIDTHS:
+            continue
+        hexes = [re.match(r"`([0-9A-F]+)`", c) for c in cells[1:]]
+        base = hexes[0].group(1) if hexes[0] else None
+        assert base is not None or cells[1].startswith("none"), line
+        rows.append((cells[0], base, *(h.group(1) for h in hexes[1:] if h)))  # type: ignore[arg-type]
+    return rows  # type: ignore[return-value]
+
+
+VECTORS = spec_vectors()
+
+
+def test_the_spec_has_test_vectors() -> None:
+    assert len(VECTORS) >= 8
+    assert {v[0] for v in VECTORS} >= {"float32", "bfloat16", "int64"}
+
+
+@pytest.mark.parametrize(("dtype", "base", "new", "want_xor", "want_sub"), VECTORS)
+def test_spec_vectors(dtype: str, base: str | None, new: str, want_xor: str, want_sub: str) -> None:
+    width = WIDTHS[dtype]
+    b = None if base is None else np.array([int(base, 16)], width)
+    n = np.array([int(new, 16)], width)
+    xor = n.copy() if b is None else np.bitwise_xor(n, b)
+    assert int(xor[0]) == int(want_xor, 16)
+    out = np.empty_like(n)
+    moved = None if b is None else b.copy()
+    difference_delta(n.copy(), moved, out)
+    assert int(out[0]) == int(want_sub, 16)
+    if moved is not None:
+        assert int(moved[0]) == int(new, 16)  # the base moved on to the new bits
+    # replay: the base (all-zero bits where there is none) plus unzigzag(values)
+    target = np.zeros(1, width) if b is None else b.copy()
+    undifference(out, target, accumulate=True)
+    assert int(target[0]) == int(new, 16)
+
+
+@pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32, np.uint64])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_round_trip_at_every_width_across_chunks(monkeypatch: pytest.MonkeyPatch, width: type[np.generic],
+                                                  in_place: bool) -> None:
+    monkeypatch.setattr(delta, "_SUB_CHUNK", 7)  # many chunks, and a partial last one
+    rng = np.random.default_rng(int(np.dtype(width).itemsize))
+    top = 2 ** (8 * np.dtype(width).itemsize)
+    base = rng.integers(0, top, size=100, dtype=width)
+    # extremes: no change, +-1, wrap-around both ways, the largest differences
+    new = (base + rng.integers(-3, 4, size=100).astype(np.int64).astype(width)).astype(width)
+    new[:4] = [0, top - 1, 0, top - 1]
+    base[:4] = [top - 1, 0, top // 2, top // 2 - 1]
+    keep_base, keep_new = base.copy(), new.copy()
+    out = new if in_place else np.empty_like(new)
+    difference_delta(new, base, out)
+    assert np.array_equal(base, keep_new), "the base moves on to the new bits"
+    if not in_place:
+        assert np.array_equal(new, keep_new), "the new bits are left alone"
+    small = out[4:] < 8
+    assert small.all(), "small differences of either sign are small numbers"
+    replayed = keep_base.copy()
+    undifference(out, replayed, accumulate=True)
+    assert np.array_equal(replayed, keep_new)
+    decoded = np.empty_like(out)
+    undifference(out, decoded, accumulate=False)
+    again = decoded.copy()
+    zigzag(again)
+    assert np.array_equal(again, out)
+    assert np.array_equal((keep_base + decoded).astype(width), keep_new)
+
+
+def test_a_mismatched_length_is_refused() -> None:
+    with pytest.raises(ValueError, match="3 elements applied to a tensor of 4"):
+        undifference(np.zeros(3, np.uint32), np.zeros(4, np.uint32), accumulate=True)
+
+
+def _train_chain(path: Path, version: str, steps: int = 7, batch_steps: int = 3,
+                 optimizer: str = "adamw") -> tuple[ldformat.ChainWriter, dict[int, dict]]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt: torch.optim.Optimizer
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    writer = ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=batch_steps,
+                                         format_version=version)
+    refs = {0: snapshot(model, opt)}
+    for step in range(1, steps + 1):
+        train_step(model, opt, step)
+        writer.record_step(step)
+        refs[step] = snapshot(model, opt)
+    return writer, refs
+
+
+def _encodings(path: Path) -> set[str]:
+    return {s.encoding for e in ldformat.ChainReader(path).state.delta_entries() for s in e.slots}
+
+
+@pytest.mark.parametrize(("version", "encoding"), [("1.5", "xor"), ("1.6", "sub")])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_chains_of_both_versions_replay_every_step_exactly(tmp_path: Path, version: str, encoding: str,
+                                                           optimizer: str) -> None:
+    """AdamW (state appears at step 1) and SGD momentum; BatchNorm's int64 step counter, tied weights."""
+    path = tmp_path / "chain"
+    writer, refs = _train_chain(path, version, optimizer=optimizer)
+    writer.close()
+    assert state_delta_encoding(version) == encoding
+    assert _encodings(path) == {encoding}
+    reader = ldformat.ChainReader(path)
+    assert reader.root.format_version == version
+    for step, ref in refs.items():
+        assert_state_bits_equal(reader.materialize(step), ref, f"{version} step {step}")
+    assert ldformat.validate(path, deep=True).ok
+
+
+def test_appending_to_a_15_chain_keeps_xor(tmp_path: Path) -> None:
+    """Spec §3.1: a writer writes no ``sub`` slot into a chain whose root says 1.5."""
+    path = tmp_path / "chain"
+    writer, refs = _train_chain(path, "1.5", steps=3)
+    model, opt = writer.model, writer.optimizer
+    writer.close()
+    writer = ldformat.ChainWriter.open(path, model, opt)
+    for step in range(4, 7):
+        train_step(model, opt, step)
+        writer.record_step(step)
+        refs[step] = snapshot(model, opt)
+    writer.close()
+    assert _encodings(path) == {"xor"}
+    reader = ldformat.ChainReader(path)
+    assert reader.root.format_version == "1.5"
+    for step, ref in refs.items():
+        assert_state_bits_equal(reader.materialize(step), ref, f"step {step}")
+
+
+def test_merged_differences_are_exact(tmp_path: Path) -> None:
+    path = tmp_path / "chain"
+    writer, refs = _train_chain(path, "1.6", steps=9)
+    writer.close()
+    plan = ldformat.compact(path, keep_last=2, keep_every=4)
+    assert plan.merged_deltas == [(0, 4), (4, 8)] and not plan.new_anchors
+    reader = ldformat.ChainReader(path)
+    merged = [e for e in reader.state.delta_entries() if any(s.base != s.step - 1 for s in e.steps)]
+    assert merged and {s.encoding for e in merged for s in e.slots} == {"sub"}
+    for step in reader.steps:
+        assert_state_bits_equal(reader.materialize(step), refs[step], f"step {step}")
+    assert ldformat.validate(path, deep=True).ok
+
+
+def test_a_run_coded_both_ways_is_folded_into_an_anchor(tmp_path: Path) -> None:
+    """Spec §17.2 case 3: an XOR and a difference do not combine without the base, so a kept
+    step whose run mixes them gets an anchor; a run of one encoding is still merged."""
+    path = tmp_path / "chain"
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    writer = ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=2)
+    refs = {0: snapshot(model, opt)}
+    for step in range(1, 9):
+        # Another implementation may code one tensor either way from batch to batch (spec §11.3).
+        writer._state_encoding = "xor" if step in (3, 4) else "sub"
+        train_step(model, opt, step)
+        writer.record_step(step)
+        refs[step] = snapshot(model, opt)
+    writer.close()
+    assert _encodings(path) == {"xor", "sub"}
+    plan = ldformat.compact(path, keep_every=4)
+    # 0 -> 4 crosses sub (1, 2) and xor (3, 4): folded; 4 -> 8 is sub throughout: merged.
+    assert plan.new_anchors == [4] and plan.merged_deltas == [(4, 8)]
+    reader = ldformat.ChainReader(path)
+    for step in reader.steps:
+        assert_state_bits_equal(reader.materialize(step), refs[step], f"step {step}")
+    assert ldformat.validate(path, deep=True).ok
+
+
+SCHEMA = {"model": [{"name": "w", "dtype": "float32", "shape": [4], "role": "parameter", "alias_of": None}],
+          "optimizer": {"params": ["w"]}}
+
+
+@pytest.mark.parametrize("encoding", ["xor", "sub"])
+def test_state_slots_take_either_encoding(encoding: str) -> None:
+    check_slots((SlotInfo(name="model/w", dtype="float32", shape=(4,), encoding=encoding),
+                 SlotInfo(name="optimizer/0/exp_avg", dtype="float32", shape=(4,), encoding="sub")),
+                SCHEMA, "state.xor", "batch")
+
+
+@pytest.mark.parametrize(("kind", "name"), [("grad.dense", "grad/0"), ("grad.topk", "model/w"),
+                                            ("grad.dense", "model/w")])
+def test_gradient_kinds_refuse_sub_slots(kind: str, name: str) -> None:
+    slot = SlotInfo(name=name, dtype="float32", shape=(4,), encoding="sub")
+    with pytest.raises(CorruptChainError, match=r"has encoding 'sub'; a grad\.\w+ chain stores it as"):
+        check_slots((slot,), SCHEMA, kind, "batch")
+
+
+def test_writer_refuses_an_unknown_format_version(tmp_path: Path) -> None:
+    with pytest.raises(ldformat.UsageError, match="1.6"):
+        ldformat.ChainWriter.create(tmp_path / "c", TinyNet(), torch.optim.SGD(TinyNet().parameters(), lr=0.1),
+                                    kind="state.xor", format_version="1.7")
