@@ -66,7 +66,7 @@ class CapturedStep:
 
     step: int
     stepped: bool
-    hyper: JSON  # encoded param groups the optimizer used (None if it did not step, or xor)
+    hyper: JSON  # encoded param groups the optimizer used (None if it did not step; xor: for prediction)
     param_groups: JSON  # encoded live param groups after the step and its scheduler step
     extra: JSON  # encoded extra state
     tensors: dict[str, CapturedTensor]  # grad kinds: grad/<i> + model/<buffer>; xor: whole state

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeGuard
 
@@ -32,6 +32,7 @@ from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import JSON, Decoded, TensorRef, decode, dtype_name
 from .manifest import KINDS, AnchorEntry, Kind, RootMetadata, SlotInfo, StepEntry
 from .optstate import REF_PREFIX, check_structure
+from .predict import PREDICT, moment_names, predicted_param
 from .state import ParamGroup
 
 #: (dtype name, shape) of a stored tensor.
@@ -447,15 +448,19 @@ def tensor_metas(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorMeta]:
 
 # -- state.xor bookkeeping -----------------------------------------------------------------
 def xor_step_changes(current: Mapping[str, TensorMeta], row: Iterable[SlotInfo], step: int,
-                     where: str) -> tuple[list[str], list[SlotInfo]]:
+                     where: str, params: Sequence[str] = ()) -> tuple[list[str], list[SlotInfo]]:
     """What one ``state.xor`` step does to the set of tensors (spec §11.6): the names it removes
-    (``optimizer/…`` tensors without a slot in the row) and the slots it adds as new tensors.
+    (``optimizer/…`` tensors without a slot in the row) and the slots it adds as new tensors
+    (``predict/<i>`` slots hold coefficients, not tensors). ``params``: the schema's
+    ``optimizer.params``, which name the parameter of an ``adam.w`` slot.
 
     Raises:
-        CorruptChainError: a slot of a tensor that exists with another dtype or shape, or a
-            ``model/…`` tensor without a slot in the row.
+        CorruptChainError: a slot of a tensor that exists with another dtype or shape, a
+            ``model/…`` tensor without a slot in the row, or a predicted slot (spec §11.3)
+            without its coefficients or with an input of another dtype or shape.
     """
-    present: dict[str, SlotInfo] = {s.name: s for s in row}
+    slots = list(row)
+    present: dict[str, SlotInfo] = {s.name: s for s in slots if not s.name.startswith(PREDICT)}
     removed = [n for n in current if n.startswith("optimizer/") and n not in present]
     added = []
     for name, slot in present.items():
@@ -469,6 +474,23 @@ def xor_step_changes(current: Mapping[str, TensorMeta], row: Iterable[SlotInfo],
         if name.startswith("model/") and name not in present:
             raise CorruptChainError(f"{where}: step {step} has no xor delta for {name}; every model tensor has "
                                     "a slot in every row (spec §11.3)")
+    coefficients = {s.name for s in slots if s.name.startswith(PREDICT)}
+    for name, slot in present.items():
+        if slot.encoding not in ("adam.v", "adam.w"):
+            continue
+        i = predicted_param(name, slot.encoding, params)
+        if f"{PREDICT}{i}" not in coefficients:
+            raise CorruptChainError(f"{where}: step {step}: slot {name} is predicted ({slot.encoding}) but the row "
+                                    f"has no coefficients {PREDICT}{i} (spec §11.3)")
+        m_name, v_name = moment_names(i)
+        inputs = [(m_name, present.get(m_name)), (m_name, current.get(m_name))]
+        if slot.encoding == "adam.w":
+            inputs.append((v_name, present.get(v_name)))
+        for input_name, have in inputs:
+            meta = have if have is None or isinstance(have, tuple) else (have.dtype, have.shape)
+            if meta is not None and meta != ("float32", slot.shape):
+                raise CorruptChainError(f"{where}: step {step}: slot {name} is predicted from {input_name}, which is "
+                                        f"{meta[0]} {list(meta[1])}, not float32 {list(slot.shape)} (spec §11.3)")
     return removed, added
 
 

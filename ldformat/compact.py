@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 
 from .anchor import anchor_parts, write_anchor_parts
-from .delta import Segment, encode_batch, undifference, zigzag
+from .delta import BatchEncoder, Segment, difference_delta, encode_batch, tensor_bits
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .fold import ChainState
-from .jsonvalue import object_checksum_parts
+from .jsonvalue import dtype_name, object_checksum_parts
 from .log import (
     LOCK_DIR,
     WriterLock,
@@ -31,8 +31,9 @@ from .log import (
     garbage,
     open_log_for_write,
 )
-from .manifest import AnchorEntry, DeltaEntry, ObjectRef, SlotInfo, StepEntry
+from .manifest import AnchorEntry, DeltaEntry, ObjectRef, SlotInfo, StepEntry, state_delta_encoding
 from .reader import ChainReader
+from .replay import Replayer
 from .sharded import is_sharded_location, refuse_sharded
 from .snapshots import plan_segments, segments_allowed, snapshot_or_unchanged
 from .stores import Store
@@ -108,20 +109,13 @@ def _original_path(state: ChainState, step: int, stop: int) -> list[int] | None:
     return list(reversed(out))
 
 
-def _one_encoding(state: ChainState, path: list[int], merged: dict[str, str]) -> bool:
-    """Whether every tensor has one slot encoding along ``path`` and in the runs merged before
-    (``merged``, updated when True; they share one batch, one slot per tensor): an XOR and a
-    difference cannot be combined without the base's bits, so such a run is folded into an
-    anchor instead."""
-    run: dict[str, str] = {}
-    for s in path:
-        for slot in state.deltas[s][0].slots:
-            if run.setdefault(slot.name, slot.encoding) != slot.encoding:
-                return False
-    if any(merged.get(name, enc) != enc for name, enc in run.items()):
-        return False
-    merged.update(run)
-    return True
+STATE_PREFIXES = ("model/", "optimizer/")  # the state tensors of a replayed state (not residuals)
+
+
+def _all_xor(state: ChainState, path: list[int]) -> bool:
+    """Whether every delta on ``path`` holds XOR slots only, which merge by XOR (a chain older
+    than 1.6 holds nothing else; one that does is folded into an anchor instead)."""
+    return all(slot.encoding == "xor" for s in path for slot in state.deltas[s][0].slots)
 
 
 def compact(
@@ -242,7 +236,9 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
     depth: dict[int, int] = {}
     keep_delta: dict[int, StepEntry] = {}
     merges: dict[int, tuple[int, list[int]]] = {}
-    merged_encodings: dict[str, str] = {}
+    # From 1.6 on a merged delta is the difference of the two states (spec §17.2), whatever
+    # the deltas between them hold; older chains hold XORs, which merge by XOR.
+    direct = state_delta_encoding(reader.root.format_version) == "sub"
     kept_anchors: set[int] = set()
     prev: int | None = None
     for t in kept:
@@ -258,7 +254,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
             and prev is not None
             and depth[prev] + 1 <= limit
             and (p := _original_path(state, t, prev)) is not None
-            and _one_encoding(state, p, merged_encodings)
+            and (direct or _all_xor(state, p))
         ):
             depth[t] = depth[prev] + 1
             merges[t] = (prev, p)
@@ -295,7 +291,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
             progress("anchors", n, len(plan.new_anchors))
     deltas = state.restated_deltas(keep_delta)
     if merges:
-        deltas.append(_write_merged(reader, merges, written))
+        deltas.append((_write_differences if direct else _write_merged)(reader, merges, written))
     try:
         reader.store.sync(written)
     except OSError as e:
@@ -345,8 +341,7 @@ def _write_anchor(reader: ChainReader, step: int, written: list[str]) -> AnchorE
 
 
 def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]], written: list[str]) -> DeltaEntry:
-    """Merge the deltas of each run into one delta per kept step (exact): XOR the values of
-    ``xor`` slots, add the differences of ``sub`` slots mod 2^W (spec §17.2)."""
+    """XOR the deltas of each run into one delta per kept step (exact; chains before 1.6, spec §17.2)."""
     state = reader.state
     slots: list[SlotInfo] = []
     slot_index: dict[str, int] = {}
@@ -366,18 +361,10 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
                 if name not in row:
                     raise ChainError(f"{reader.path}: {name} disappears between steps {base} and {t}; cannot merge")
             for name, (_, vals) in row.items():
-                slot = info[name] = next(sl for sl in d.slots if sl.name == name)
-                if slot.encoding == "sub":  # accumulated as plain differences, zigzagged at the end
-                    started = name in acc
-                    if not started:
-                        acc[name] = np.empty_like(vals)
-                    undifference(vals, acc[name], accumulate=started)
-                else:
-                    acc[name] = vals.copy() if name not in acc else np.bitwise_xor(acc[name], vals)
+                info[name] = next(sl for sl in d.slots if sl.name == name)
+                acc[name] = vals.copy() if name not in acc else np.bitwise_xor(acc[name], vals)
         row_out: dict[int, Segment] = {}
         for name, vals in acc.items():
-            if info[name].encoding == "sub":
-                zigzag(vals)
             j = slot_index.get(name)
             if j is None:
                 j = slot_index[name] = len(slots)
@@ -395,6 +382,59 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
         ref = _write_object(reader, f"{group}/{key}", data, written)
         refs.append(ObjectRef(path=key, size=ref.size, crc32c=ref.crc32c))
     return DeltaEntry(path=group, objects=tuple(refs), slots=tuple(slots), rows=len(rows), steps=tuple(entries))
+
+
+def _write_differences(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
+                       written: list[str]) -> DeltaEntry:
+    """One ``sub`` delta per merged step: the difference of its state and its new base's state,
+    both replayed (spec §17.2). Exact for every slot encoding, predicted ones included. One
+    replayer walks the runs in order (a run starts where an earlier one ended, or at a kept
+    step after it), and each row is compressed as soon as it is computed."""
+    state = reader.state
+    slots: list[SlotInfo] = []
+    slot_index: dict[str, int] = {}
+    entries: list[StepEntry] = []
+    encoder = BatchEncoder()
+    replayer: Replayer | None = None
+    at: int | None = None  # the step the replayer holds
+    for t, (base, path) in sorted(merges.items()):
+        anchor_step, to_base = state.replay_path(base)
+        if replayer is not None and at in to_base:
+            to_base = to_base[to_base.index(at) + 1:]
+        elif replayer is None or at != anchor_step:
+            replayer = reader.start_replay(anchor_step)
+        reader.replay_steps(replayer, to_base)
+        before = {n: tensor_bits(x).copy() for n, x in replayer.tensors.items() if n.startswith(STATE_PREFIXES)}
+        reader.replay_steps(replayer, path)
+        at = t
+        row: list[tuple[int, np.ndarray]] = []
+        for name, x in replayer.tensors.items():
+            if not name.startswith(STATE_PREFIXES):
+                continue
+            values = tensor_bits(x).copy()
+            old = before.get(name)
+            difference_delta(values, old if old is not None and old.shape == values.shape
+                             and old.dtype == values.dtype else None, values)
+            j = slot_index.get(name)
+            if j is None:
+                j = slot_index[name] = len(slots)
+                slots.append(SlotInfo(name=name, dtype=dtype_name(x.dtype), shape=tuple(x.shape), encoding="sub"))
+            row.append((j, values))
+        del before
+        encoder.start_row()
+        for j, values in sorted(row, key=lambda r: r[0]):  # segment order is slot order (spec §10.1)
+            encoder.add(j, values)
+        last = state.deltas[t][1]
+        entries.append(StepEntry(step=t, base=base, row=len(entries), stepped=True, hyper=None,
+                                 param_groups=last.param_groups, extra=last.extra, optimizer=last.optimizer))
+    first, last_step = entries[0].step, entries[-1].step
+    group = batch_group_path(first, last_step)
+    objects = encoder.finish(len(slots), {"kind": reader.kind, "first": first, "last": last_step, "merged": True})
+    refs = []
+    for key, data in sorted(objects.items()):
+        ref = _write_object(reader, f"{group}/{key}", data, written)
+        refs.append(ObjectRef(path=key, size=ref.size, crc32c=ref.crc32c))
+    return DeltaEntry(path=group, objects=tuple(refs), slots=tuple(slots), rows=len(entries), steps=tuple(entries))
 
 
 def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[AnchorEntry], deltas: list[DeltaEntry],

@@ -35,6 +35,7 @@ from zarr.storage import MemoryStore
 from .errors import CorruptChainError
 from .jsonvalue import JSON, MAX_ZARR_JSON_BYTES, JSONObject, parse_json
 from .manifest import Encoding, SlotInfo
+from .predict import COEFFICIENTS as PREDICT_COEFFICIENTS
 from .state import bits_view
 
 WIDTH_DTYPES: dict[int, type[np.uint8 | np.uint16 | np.uint32 | np.uint64]] = {
@@ -284,8 +285,9 @@ _MAX_ARRAY_ELEMENTS = 1 << 48
 _KIND_SLOTS: dict[str, dict[str, tuple[Encoding, ...]]] = {
     "grad.topk": {"grad": ("sparse",), "model": ("dense",)},
     "grad.dense": {"grad": ("dense",), "model": ("dense",)},
-    "state.xor": {"model": ("xor", "sub"), "optimizer": ("xor", "sub")},
+    "state.xor": {"model": ("xor", "sub", "adam.w"), "optimizer": ("xor", "sub", "adam.v"), "predict": ("dense",)},
 }
+PREDICTED: tuple[Encoding, ...] = ("adam.v", "adam.w")  # computed from a prediction (spec §11.3)
 
 
 def _index(text: str) -> int | None:
@@ -372,21 +374,29 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
         if slot.encoding not in encodings:
             raise CorruptChainError(f"{bad} has encoding {slot.encoding!r}; a {kind} chain stores it as "
                                     f"{' or '.join(map(repr, encodings))} (spec §11)")
-        if space == "grad":
+        if slot.encoding in PREDICTED and slot.dtype != "float32":
+            raise CorruptChainError(f"{bad} is {slot.dtype}; encoding {slot.encoding!r} is for float32 tensors "
+                                    "(spec §11.3)")
+        if space in ("grad", "predict"):
             i = _index(rest)
             if i is None or i >= len(params):
                 raise CorruptChainError(f"{bad} names no optimizer parameter (the chain has {len(params)})")
-            expected: tuple[str, tuple[int, ...]] | None = model[params[i]]
+            expected: tuple[str, tuple[int, ...]] | None = (
+                model[params[i]] if space == "grad" else ("float32", (PREDICT_COEFFICIENTS,)))
         elif space == "model":
             expected = model.get(rest)
             if expected is None:
                 raise CorruptChainError(f"{bad} names no stored schema.model entry (spec §8)")
+            if slot.encoding == "adam.w" and rest not in params:
+                raise CorruptChainError(f"{bad} has encoding 'adam.w' but is not an optimizer parameter (spec §11.3)")
         else:
             i_text, _, key = rest.partition("/")
             i = _index(i_text)
             structure = i_text == "ref"  # optimizer/ref/...: a tensor of the optimizer structure (§8.2)
             if not key or not structure and (i is None or i >= len(params)):
                 raise CorruptChainError(f"{bad} names no optimizer parameter (the chain has {len(params)})")
+            if structure and slot.encoding == "adam.v":
+                raise CorruptChainError(f"{bad} has encoding 'adam.v', which is for optimizer/<i>/<key> (spec §11.3)")
             expected = None
             if not _shape_ok(slot.shape) or slot.numel > max(1, total):
                 raise CorruptChainError(f"{bad} has shape {list(slot.shape)}: more elements than the "

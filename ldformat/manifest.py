@@ -31,13 +31,14 @@ from .stores import check_relative_path
 
 FORMAT_NAME = "ldformat"
 #: What an ordinary chain (and a rank chain of a sharded chain) is written as: 1.6 adds the
-#: ``sub`` slot encoding of ``state.xor`` (spec §11.3), which older readers refuse.
+#: ``sub``, ``adam.v`` and ``adam.w`` slot encodings of ``state.xor`` (spec §11.3), which older
+#: readers refuse.
 FORMAT_VERSION = "1.6"
 #: The newest format this package reads and writes. 1.3 added sharded chains (spec §20), 1.4
 #: copy ranks in their roots, 1.5 segments, 1.6 difference-coded state deltas.
 NEWEST_VERSION = "1.6"
 SEGMENTS_VERSION = "1.5"  # the first version whose chains may hold segments
-SUB_VERSION = "1.6"  # the first version whose state.xor chains may hold ``sub`` slots
+SUB_VERSION = "1.6"  # the first version whose state.xor chains may hold sub, adam.* and predict/ slots
 
 
 def minor_version(version: str) -> int:
@@ -46,16 +47,16 @@ def minor_version(version: str) -> int:
 
 
 def state_delta_encoding(format_version: str) -> Encoding:
-    """The slot encoding a writer gives ``state.xor`` slots in a chain of this version: ``sub``
-    from 1.6 on (spec §11.3; 4.7% fewer bytes than ``xor`` on AdamW state, same CPU), ``xor``
-    in older chains, whose readers refuse ``sub`` (spec §3.1)."""
+    """The slot encoding a writer gives ``state.xor`` slots in a chain of this version (where no
+    Adam prediction applies): ``sub`` from 1.6 on (spec §11.3; 4.7% fewer bytes than ``xor`` on
+    AdamW state, same CPU), ``xor`` in older chains, whose readers refuse ``sub`` (spec §3.1)."""
     return "sub" if minor_version(format_version) >= minor_version(SUB_VERSION) else "xor"
 FORMAT_MAJOR = 1
 Kind = Literal["grad.topk", "grad.dense", "state.xor"]
 KINDS: tuple[Kind, ...] = get_args(Kind)
 RecordType = Literal["append", "snapshot"]
 RECORD_TYPES: tuple[RecordType, ...] = get_args(RecordType)
-Encoding = Literal["sparse", "dense", "xor", "sub"]
+Encoding = Literal["sparse", "dense", "xor", "sub", "adam.v", "adam.w"]
 """How a delta batch stores a slot's values (spec §10.3)."""
 ENCODINGS: tuple[Encoding, ...] = get_args(Encoding)
 
@@ -191,7 +192,7 @@ class SlotInfo:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    encoding: str  # an Encoding: "sparse" | "dense" | "xor" | "sub" (checked when read)
+    encoding: str  # an Encoding (checked when read)
 
     @property
     def numel(self) -> int:

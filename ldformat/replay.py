@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from .checks import (
@@ -32,11 +33,21 @@ from .checks import (
     parse_index,
     xor_step_changes,
 )
-from .delta import Segment, apply_state_delta, dense_view, fill_from_segment, segment_to_tensor, state_delta_tensor
+from .delta import (
+    PREDICTED,
+    Segment,
+    apply_state_delta,
+    dense_view,
+    fill_from_segment,
+    segment_to_tensor,
+    state_delta_tensor,
+    undifference,
+)
 from .errors import CorruptChainError
 from .jsonvalue import JSON, dtype_name, parse_dtype
 from .manifest import RootMetadata, SlotInfo, StepEntry
 from .optstate import REF_PREFIX, join_state, live_optimizer_state
+from .predict import PREDICT, moment_names, predict_parameter, predict_second_moment, predicted_param
 from .state import ParamGroup, bits_view
 
 
@@ -95,6 +106,23 @@ def step_optimizer(opt: torch.optim.Optimizer, step: int, where: str) -> None:
     except Exception as e:  # what torch raises for hyperparameters or state it cannot step with
         raise CorruptChainError(f"{where}: torch.optim.{type(opt).__name__} cannot run step {step} with the "
                                 f"recorded hyperparameters and state ({type(e).__name__}: {e})") from None
+
+
+def _bits_of(t: torch.Tensor | None) -> np.ndarray | None:
+    """The flat uint32 bits of a float32 replay tensor (its own memory), None if absent."""
+    return None if t is None else _own_bits(t)
+
+
+def _bits_copy(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else _own_bits(t).copy()
+
+
+def _own_bits(t: torch.Tensor) -> np.ndarray:
+    """A replay tensor's bits as a flat uint32 array sharing its memory (replay tensors are
+    contiguous CPU tensors; checked, since writing into a copy would change nothing)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.float32:
+        raise CorruptChainError(f"a predicted tensor must be a contiguous CPU float32 tensor, not {t.dtype}")
+    return t.detach().view(torch.int32).reshape(-1).numpy().view(np.uint32)
 
 
 class _Metas(Mapping[str, TensorMeta]):
@@ -205,19 +233,52 @@ class Replayer:
     def apply_xor_step(self, entry: StepEntry, row: dict[str, Segment], slots: dict[str, SlotInfo], where: str) -> None:
         self._optimizer = None  # xor rewrites state directly; never mixes with gradient replay
         check_hyper(self.schema, entry, where)
-        removed, added = xor_step_changes(_Metas(self.tensors), [slots[n] for n in row], entry.step, where)
+        removed, added = xor_step_changes(_Metas(self.tensors), [slots[n] for n in row], entry.step, where,
+                                          self.schema.params)
+        new = {slot.name for slot in added}
+        predicted = {n: predicted_param(n, slots[n].encoding, self.schema.params)
+                     for n in row if slots[n].encoding in PREDICTED}
+        # Spec §11.6: each adam.v prediction takes m before and after the row; every adam.w
+        # prediction takes m and v after it. So per parameter: m, then v, then w.
+        first_moments: dict[str, np.ndarray | None] = {}
+        for name, i in predicted.items():
+            m_name = moment_names(i)[0]
+            if slots[name].encoding == "adam.v" and m_name not in first_moments:
+                first_moments[m_name] = _bits_copy(self.tensors.get(m_name))
         for name in removed:
             del self.tensors[name]
-        new = {slot.name for slot in added}
-        for name, seg in row.items():
-            if name in new:
-                self.tensors[name] = state_delta_tensor(seg, slots[name])
-            else:
-                with torch.no_grad():
+        with torch.no_grad():
+            for name, seg in row.items():
+                if name in predicted or name.startswith(PREDICT):
+                    continue
+                if name in new:
+                    self.tensors[name] = state_delta_tensor(seg, slots[name])
+                else:
                     apply_state_delta(self.tensors[name], seg, slots[name].encoding)
+            for encoding in PREDICTED:  # adam.v before adam.w
+                for name, i in predicted.items():
+                    if slots[name].encoding == encoding:
+                        self._apply_predicted(name, i, row, slots[name], first_moments)
         self.param_groups = entry.param_groups
         self.extra = entry.extra
         self.optimizer_structure = entry.optimizer
+
+    def _apply_predicted(self, name: str, i: int, row: dict[str, Segment], slot: SlotInfo,
+                         first_moments: dict[str, np.ndarray | None]) -> None:
+        """Spec §11.6 step 3: the prediction from the coefficients and the other tensors of the
+        row, plus the stored difference; an absent input is all-zero bits."""
+        m_name, v_name = moment_names(i)
+        coef = row[f"{PREDICT}{i}"][1].view(np.uint32)
+        target = self.tensors.get(name)
+        if target is None:
+            target = self.tensors[name] = torch.zeros(slot.shape, dtype=torch.float32)
+        out = _own_bits(target)
+        m = _bits_of(self.tensors.get(m_name))
+        if slot.encoding == "adam.v":
+            predict_second_moment(first_moments[m_name], m, out, coef, out)
+        else:
+            predict_parameter(out, m, _bits_of(self.tensors.get(v_name)), coef, out)
+        undifference(np.ascontiguousarray(row[name][1]), out, accumulate=True)
 
     # -- output ------------------------------------------------------------------------
     def sync_optimizer_tensors(self) -> None:

@@ -527,7 +527,8 @@ class _Validation:
                 grads = {int(slot.name[len("grad/"):]) for slot in row if slot.name.startswith("grad/")}
                 current.apply(e, self.hyper[step], grads, where)
             else:
-                removed, added = xor_step_changes(current, row, step, where)
+                params = self.schema.params if self.schema is not None else ()
+                removed, added = xor_step_changes(current, row, step, where, params)
                 for name in removed:
                     del current[name]
                 for slot in added:

@@ -135,7 +135,8 @@ def test_chains_of_both_versions_replay_every_step_exactly(tmp_path: Path, versi
     writer, refs = _train_chain(path, version, optimizer=optimizer)
     writer.close()
     assert state_delta_encoding(version) == encoding
-    assert _encodings(path) == {encoding}
+    predicted = version == "1.6" and optimizer == "adamw"  # Adam prediction (spec §11.3)
+    assert _encodings(path) == ({encoding, "adam.v", "adam.w", "dense"} if predicted else {encoding})
     reader = ldformat.ChainReader(path)
     assert reader.root.format_version == version
     for step, ref in refs.items():
@@ -176,27 +177,31 @@ def test_merged_differences_are_exact(tmp_path: Path) -> None:
     assert ldformat.validate(path, deep=True).ok
 
 
-def test_a_run_coded_both_ways_is_folded_into_an_anchor(tmp_path: Path) -> None:
-    """Spec §17.2 case 3: an XOR and a difference do not combine without the base, so a kept
-    step whose run mixes them gets an anchor; a run of one encoding is still merged."""
+@pytest.mark.parametrize("version", ["1.5", "1.6"])
+def test_runs_of_any_encoding_merge_exactly(tmp_path: Path, version: str) -> None:
+    """Spec §17.2: a 1.6 chain's merged delta is the difference of the two states, whatever the
+    deltas between them hold (here batches coded by XOR, difference and Adam prediction, as
+    another implementation may write them); a 1.5 chain's deltas merge by XOR."""
     path = tmp_path / "chain"
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    writer = ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=2)
+    writer = ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=2, format_version=version)
     refs = {0: snapshot(model, opt)}
     for step in range(1, 9):
-        # Another implementation may code one tensor either way from batch to batch (spec §11.3).
-        writer._state_encoding = "xor" if step in (3, 4) else "sub"
+        if version == "1.6":
+            writer._state_encoding = "xor" if step in (3, 4) else "sub"  # sub: with Adam prediction
         train_step(model, opt, step)
         writer.record_step(step)
         refs[step] = snapshot(model, opt)
     writer.close()
-    assert _encodings(path) == {"xor", "sub"}
+    assert _encodings(path) == ({"xor", "sub", "adam.v", "adam.w", "dense"} if version == "1.6" else {"xor"})
     plan = ldformat.compact(path, keep_every=4)
-    # 0 -> 4 crosses sub (1, 2) and xor (3, 4): folded; 4 -> 8 is sub throughout: merged.
-    assert plan.new_anchors == [4] and plan.merged_deltas == [(4, 8)]
+    assert plan.merged_deltas == [(0, 4), (4, 8)] and not plan.new_anchors
     reader = ldformat.ChainReader(path)
+    merged = [e for e in reader.state.delta_entries() if any(s.base != s.step - 1 for s in e.steps)]
+    assert [s.step for e in merged for s in e.steps] == [4, 8]
+    assert {s.encoding for e in merged for s in e.slots} == ({"sub"} if version == "1.6" else {"xor"})
     for step in reader.steps:
         assert_state_bits_equal(reader.materialize(step), refs[step], f"step {step}")
     assert ldformat.validate(path, deep=True).ok

@@ -661,7 +661,7 @@ class Checkpointer:
         captured = CapturedStep(
             step=step,
             stepped=pending.stepped,
-            hyper=pending.hyper if pending.stepped and self.mode != "xor" else None,
+            hyper=pending.hyper if pending.stepped else None,  # xor: for Adam prediction only
             param_groups=encode_param_groups(self.optimizer, with_params=True),
             extra=None,
             tensors=pending.tensors,
