@@ -18,6 +18,7 @@ from ldformat import delta
 from ldformat.delta import check_slots, difference_delta, undifference, zigzag
 from ldformat.errors import CorruptChainError
 from ldformat.manifest import SlotInfo, state_delta_encoding
+from ldformat.predict import predict_parameter, predict_second_moment
 
 SPEC = Path(__file__).parent.parent / "spec" / "ldformat.md"
 WIDTHS = {"float32": np.uint32, "bfloat16": np.uint16, "int64": np.uint64, "uint8": np.uint8}
@@ -43,6 +44,21 @@ def spec_vectors() -> list[tuple[str, str | None, str, str, str]]:
 VECTORS = spec_vectors()
 
 
+def prediction_vectors() -> tuple[np.ndarray, list[list[int]]]:
+    """(coefficients, rows of m0, m, v0, adam.v P, w0, v, adam.w P) from spec §11.3.1."""
+    text = SPEC.read_text()
+    section = text[text.index("#### 11.3.1 Adam prediction"): text.index("### 11.4 Replay path")]
+    table = section[section.index("*Prediction test vectors*"):]
+    coef = re.search(r"`a, s, c, e, k, b, d` = `([0-9A-F ]+)`", table)
+    assert coef is not None
+    rows = []
+    for line in table.splitlines():
+        cells = re.findall(r"`([0-9A-F]{8})`", line)
+        if line.startswith("| `") and len(cells) == 7:
+            rows.append([int(c, 16) for c in cells])
+    return np.array([int(x, 16) for x in coef.group(1).split()], np.uint32), rows
+
+
 def test_the_spec_has_test_vectors() -> None:
     assert len(VECTORS) >= 8
     assert {v[0] for v in VECTORS} >= {"float32", "bfloat16", "int64"}
@@ -65,6 +81,22 @@ def test_spec_vectors(dtype: str, base: str | None, new: str, want_xor: str, wan
     target = np.zeros(1, width) if b is None else b.copy()
     undifference(out, target, accumulate=True)
     assert int(target[0]) == int(new, 16)
+
+
+def test_spec_prediction_vectors() -> None:
+    """Spec §11.3.1: the binary32 predictions, including an all-zero row, and NaN -> +0.0."""
+    coef, rows = prediction_vectors()
+    assert len(coef) == 7 and len(rows) >= 3
+    col = [np.array([r[k] for r in rows], np.uint32) for k in range(7)]
+    m0, m, v0, want_v, w0, v, want_w = col
+    got = np.empty_like(m)
+    predict_second_moment(m0, m, v0, coef, got)
+    assert got.tolist() == want_v.tolist()
+    predict_parameter(w0, m, v, coef, got)
+    assert got.tolist() == want_w.tolist()
+    one = np.array([0x3F800000], np.uint32)
+    predict_parameter(one, None, None, np.zeros(7, np.uint32), got[:1])  # sqrt(0) / 0 is NaN
+    assert got[0] == 0
 
 
 @pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32, np.uint64])
