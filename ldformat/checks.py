@@ -483,8 +483,11 @@ def xor_step_changes(current: Mapping[str, TensorMeta], row: Iterable[SlotInfo],
             raise CorruptChainError(f"{where}: step {step}: slot {name} is predicted ({slot.encoding}) but the row "
                                     f"has no coefficients {PREDICT}{i} (spec §11.3)")
         m_name, v_name = moment_names(i)
-        inputs = [(m_name, present.get(m_name)), (m_name, current.get(m_name))]
-        if slot.encoding == "adam.w":
+        # adam.v reads m before and after the step; adam.w the new m and v (spec §11.3.1).
+        inputs: list[tuple[str, SlotInfo | TensorMeta | None]] = [(m_name, present.get(m_name))]
+        if slot.encoding == "adam.v":
+            inputs.append((m_name, current.get(m_name)))
+        else:
             inputs.append((v_name, present.get(v_name)))
         for input_name, have in inputs:
             meta = have if have is None or isinstance(have, tuple) else (have.dtype, have.shape)

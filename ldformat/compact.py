@@ -31,7 +31,7 @@ from .log import (
     garbage,
     open_log_for_write,
 )
-from .manifest import AnchorEntry, DeltaEntry, ObjectRef, SlotInfo, StepEntry, state_delta_encoding
+from .manifest import AnchorEntry, DeltaEntry, ObjectRef, SlotInfo, StepEntry, refuse_newer, state_delta_encoding
 from .reader import ChainReader
 from .replay import Replayer
 from .sharded import is_sharded_location, refuse_sharded
@@ -222,6 +222,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
              kept: list[int] | None = None) -> CompactionPlan:
     """Compact as ``lock``'s holder (a dry run without it); ``kept``, when given, are the
     steps to keep instead of those that ``keep_last``/``keep_every`` select."""
+    refuse_newer(reader.root.format_version, reader.path, "compact it")
     state = reader.state
     plan = CompactionPlan()
     if state.latest_step is None:
@@ -290,8 +291,16 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
         if progress:
             progress("anchors", n, len(plan.new_anchors))
     deltas = state.restated_deltas(keep_delta)
-    if merges:
-        deltas.append((_write_differences if direct else _write_merged)(reader, merges, written))
+    if merges and direct:
+        merged, folded = _write_differences(reader, merges, written)
+        deltas.extend(merged)
+        anchors.extend(folded)
+        for a in folded:  # reported as what they became
+            plan.merged_deltas.remove((merges[a.step][0], a.step))
+            plan.new_anchors.append(a.step)
+        plan.new_anchors.sort()
+    elif merges:
+        deltas.append(_write_merged(reader, merges, written))
     try:
         reader.store.sync(written)
     except OSError as e:
@@ -385,16 +394,20 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
 
 
 def _write_differences(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
-                       written: list[str]) -> DeltaEntry:
+                       written: list[str]) -> tuple[list[DeltaEntry], list[AnchorEntry]]:
     """One ``sub`` delta per merged step: the difference of its state and its new base's state,
     both replayed (spec §17.2). Exact for every slot encoding, predicted ones included. One
     replayer walks the runs in order (a run starts where an earlier one ended, or at a kept
-    step after it), and each row is compressed as soon as it is computed."""
+    step after it), and each row is compressed as soon as it is computed. A tensor that comes
+    back with another shape or dtype in a later run starts a new batch (one slot per name).
+
+    A run in which a tensor vanished and came back with another shape or dtype cannot be one
+    delta (a slot applies only to a tensor like it, spec §11.6): its step gets an anchor
+    instead, returned with the batches."""
     state = reader.state
-    slots: list[SlotInfo] = []
-    slot_index: dict[str, int] = {}
-    entries: list[StepEntry] = []
-    encoder = BatchEncoder()
+    anchors: list[AnchorEntry] = []
+    batches: list[DeltaEntry] = []
+    batch = _MergedBatch()
     replayer: Replayer | None = None
     at: int | None = None  # the step the replayer holds
     for t, (base, path) in sorted(merges.items()):
@@ -405,36 +418,73 @@ def _write_differences(reader: ChainReader, merges: dict[int, tuple[int, list[in
             replayer = reader.start_replay(anchor_step)
         reader.replay_steps(replayer, to_base)
         before = {n: tensor_bits(x).copy() for n, x in replayer.tensors.items() if n.startswith(STATE_PREFIXES)}
+        before_meta = {n: (x.dtype, tuple(x.shape)) for n, x in replayer.tensors.items() if n in before}
         reader.replay_steps(replayer, path)
         at = t
-        row: list[tuple[int, np.ndarray]] = []
+        if any(n in before_meta and before_meta[n] != (x.dtype, tuple(x.shape)) for n, x in replayer.tensors.items()):
+            del before
+            anchors.append(_write_anchor(reader, t, written))
+            continue
+        row: list[tuple[SlotInfo, np.ndarray]] = []
         for name, x in replayer.tensors.items():
             if not name.startswith(STATE_PREFIXES):
                 continue
             values = tensor_bits(x).copy()
-            old = before.get(name)
-            difference_delta(values, old if old is not None and old.shape == values.shape
-                             and old.dtype == values.dtype else None, values)
-            j = slot_index.get(name)
-            if j is None:
-                j = slot_index[name] = len(slots)
-                slots.append(SlotInfo(name=name, dtype=dtype_name(x.dtype), shape=tuple(x.shape), encoding="sub"))
-            row.append((j, values))
+            difference_delta(values, before.get(name), values)
+            row.append((SlotInfo(name=name, dtype=dtype_name(x.dtype), shape=tuple(x.shape), encoding="sub"), values))
         del before
-        encoder.start_row()
-        for j, values in sorted(row, key=lambda r: r[0]):  # segment order is slot order (spec §10.1)
-            encoder.add(j, values)
+        if not batch.fits(row):
+            batches.append(batch.write(reader, written))
+            batch = _MergedBatch()
         last = state.deltas[t][1]
-        entries.append(StepEntry(step=t, base=base, row=len(entries), stepped=True, hyper=None,
+        batch.add(row, StepEntry(step=t, base=base, row=batch.rows, stepped=True, hyper=None,
                                  param_groups=last.param_groups, extra=last.extra, optimizer=last.optimizer))
-    first, last_step = entries[0].step, entries[-1].step
-    group = batch_group_path(first, last_step)
-    objects = encoder.finish(len(slots), {"kind": reader.kind, "first": first, "last": last_step, "merged": True})
-    refs = []
-    for key, data in sorted(objects.items()):
-        ref = _write_object(reader, f"{group}/{key}", data, written)
-        refs.append(ObjectRef(path=key, size=ref.size, crc32c=ref.crc32c))
-    return DeltaEntry(path=group, objects=tuple(refs), slots=tuple(slots), rows=len(entries), steps=tuple(entries))
+    if batch.rows:
+        batches.append(batch.write(reader, written))
+    return batches, anchors
+
+
+class _MergedBatch:
+    """A batch of merged ``sub`` rows being encoded (one slot per tensor name)."""
+
+    def __init__(self) -> None:
+        self.slots: list[SlotInfo] = []
+        self.index: dict[str, int] = {}
+        self.entries: list[StepEntry] = []
+        self.encoder = BatchEncoder()
+
+    @property
+    def rows(self) -> int:
+        return len(self.entries)
+
+    def fits(self, row: list[tuple[SlotInfo, np.ndarray]]) -> bool:
+        """Whether every tensor of ``row`` has this batch's slot for its name, or none yet."""
+        return all(slot.name not in self.index or self.slots[self.index[slot.name]] == slot for slot, _ in row)
+
+    def add(self, row: list[tuple[SlotInfo, np.ndarray]], entry: StepEntry) -> None:
+        segments = []
+        for slot, values in row:
+            j = self.index.get(slot.name)
+            if j is None:
+                j = self.index[slot.name] = len(self.slots)
+                self.slots.append(slot)
+            segments.append((j, values))
+        self.encoder.start_row()
+        for j, values in sorted(segments, key=lambda r: r[0]):  # segment order is slot order (spec §10.1)
+            self.encoder.add(j, values)
+        self.entries.append(entry)
+
+    def write(self, reader: ChainReader, written: list[str]) -> DeltaEntry:
+        first, last = self.entries[0].step, self.entries[-1].step
+        group = batch_group_path(first, last)
+        objects = self.encoder.finish(len(self.slots), {"kind": reader.kind, "first": first, "last": last,
+                                                        "merged": True})
+        refs = []
+        for key, data in sorted(objects.items()):
+            ref = _write_object(reader, f"{group}/{key}", data, written)
+            refs.append(ObjectRef(path=key, size=ref.size, crc32c=ref.crc32c))
+        return DeltaEntry(path=group, objects=tuple(refs), slots=tuple(self.slots), rows=self.rows,
+                          steps=tuple(self.entries))
 
 
 def _commit_snapshot(reader: ChainReader, lock: WriterLock, anchors: list[AnchorEntry], deltas: list[DeltaEntry],
@@ -473,6 +523,7 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
 
 def truncate_locked(reader: ChainReader, lock: WriterLock, after: int) -> list[int]:
     """Truncate after ``after`` as ``lock``'s holder, ``reader`` folded under it; the removed steps."""
+    refuse_newer(reader.root.format_version, reader.path, "truncate it")
     state = reader.state
     if after not in state.anchors and after not in state.deltas:
         raise StepNotFoundError(f"{reader.path}: step {after} is not in the chain; nothing was changed")

@@ -46,6 +46,16 @@ def minor_version(version: str) -> int:
     return int(version.split(".")[1])
 
 
+def refuse_newer(format_version: str, where: str, doing: str) -> None:
+    """Raise UnsupportedVersionError for a chain of a newer MINOR than this package writes:
+    its writers, compaction and truncation follow a protocol this one does not know (spec
+    §3.1). ``doing``: e.g. ``"append to it"``."""
+    if minor_version(format_version) > minor_version(NEWEST_VERSION):
+        raise UnsupportedVersionError(
+            f"{where}: the chain is format {format_version}; this ldformat writes {NEWEST_VERSION} and may read "
+            f"it but not {doing} (spec §3.1): upgrade ldformat")
+
+
 def state_delta_encoding(format_version: str) -> Encoding:
     """The slot encoding a writer gives ``state.xor`` slots in a chain of this version (where no
     Adam prediction applies): ``sub`` from 1.6 on (spec §11.3; 4.7% fewer bytes than ``xor`` on

@@ -47,12 +47,11 @@ from .errors import (
     ChainLockedError,
     LdformatError,
     UnsupportedStateError,
-    UnsupportedVersionError,
     UsageError,
     WriterIOError,
 )
 from .fold import ChainState
-from .jsonvalue import JSON, encode, object_checksum
+from .jsonvalue import JSON, dtype_name, encode, object_checksum
 from .log import (
     ROOT_FILE,
     WriterLock,
@@ -69,7 +68,6 @@ from .log import (
 from .manifest import (
     FORMAT_VERSION,
     KINDS,
-    NEWEST_VERSION,
     AnchorEntry,
     DeltaEntry,
     Kind,
@@ -78,6 +76,7 @@ from .manifest import (
     SlotInfo,
     StepEntry,
     minor_version,
+    refuse_newer,
     state_delta_encoding,
 )
 from .optstate import live_optimizer_state, probe_unstorable_state
@@ -185,6 +184,7 @@ class ChainWriter:
         self._pending_deltas: list[DeltaEntry] = []
         self._written: list[str] = []
         self._xor_base: dict[str, np.ndarray] = {}
+        self._xor_meta: dict[str, tuple[str, tuple[int, ...]]] = {}  # (dtype, shape) of each base
         #: How state.xor slots are coded: ``sub`` (differences) from format 1.6 on, else ``xor``.
         self._state_encoding = state_delta_encoding(root.format_version)
         #: Code the second moment and the parameter of ``torch.optim.Adam``/``AdamW`` parameters
@@ -356,11 +356,7 @@ class ChainWriter:
         where = chain_name(path, store)
         store = open_store(path, store, storage_options)
         root = read_root(store, where)
-        if minor_version(root.format_version) > minor_version(NEWEST_VERSION):
-            raise UnsupportedVersionError(
-                f"{where}: the chain is format {root.format_version}; this ldformat writes {NEWEST_VERSION} and "
-                "may read it but not append to it (spec §3.1): upgrade ldformat"
-            )
+        refuse_newer(root.format_version, where, "append to it")
         live_schema = build_schema(model, optimizer, root.kind, compressor)
         check_schema_matches(root.schema["model"], live_schema["model"], where)
         if root.schema["optimizer"]["params"] != live_schema["optimizer"]["params"]:
@@ -628,6 +624,12 @@ class ChainWriter:
         copy of the state is needed besides the base); otherwise each value gets its own array.
         """
         tensors = captured.tensors
+        for name, ct in tensors.items():  # replay applies a slot only to a tensor like it (spec §11.6)
+            meta = self._xor_meta.get(name)
+            if meta is not None and meta != (ct.dtype, tuple(ct.shape)):
+                raise UnsupportedStateError(
+                    f"{self.path}: step {captured.step}: {name} changed from {meta[0]} {list(meta[1])} to {ct.dtype} "
+                    f"{list(ct.shape)} during training; format 1.x refuses that: start a new chain")
         params = self._param_names
         coefs: dict[int, np.ndarray] = {}
         if self._state_encoding == "sub" and self.predict_state:  # Adam prediction: format 1.6 on
@@ -646,15 +648,19 @@ class ChainWriter:
         for name in [n for n in self._xor_base if n not in tensors]:
             del self._xor_base[name]
         values.update(row_values(tensors, encodings, params, coefs, self._xor_base, prior, captured.scratch))
+        self._xor_meta = {name: (ct.dtype, tuple(ct.shape)) for name, ct in tensors.items()}
 
     def _reset_xor_base_from_live(self) -> None:
         if self.kind == "state.xor":
-            self._xor_base = {n: tensor_bits(t.to("cpu", copy=True)) for n, t in self.live_state_tensors().items()}
+            live = self.live_state_tensors()
+            self._xor_base = {n: tensor_bits(t.to("cpu", copy=True)) for n, t in live.items()}
+            self._xor_meta = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in live.items()}
 
     def _set_xor_base(self, stored: dict[str, torch.Tensor]) -> None:
         """The XOR base from the chain's own tensors (by their stored names) at its latest step."""
-        self._xor_base = {n: tensor_bits(t.detach().clone()) for n, t in stored.items()
-                          if n.startswith(("model/", "optimizer/"))}
+        state = {n: t for n, t in stored.items() if n.startswith(("model/", "optimizer/"))}
+        self._xor_base = {n: tensor_bits(t.detach().clone()) for n, t in state.items()}
+        self._xor_meta = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
 
     # -- anchors and commits -------------------------------------------------------------
     def write_anchor(self, step: int) -> int | None:

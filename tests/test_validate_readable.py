@@ -390,7 +390,7 @@ def test_unexpected_failure_inside_replay_names_the_step(pristine: Callable[[str
     def broken(*args: Any, **kwargs: Any) -> None:
         raise IndexError("boom")
 
-    monkeypatch.setattr(replay, "xor_into", broken)
+    monkeypatch.setattr(replay, "apply_state_delta", broken)
     with pytest.raises(CorruptChainError, match=r"deltas/1-2-[0-9a-f]+ \(step 1\).*IndexError: boom"):
         ChainReader(pristine("state.xor")).materialize(2)
     monkeypatch.setattr(replay.Replayer, "result", broken)

@@ -544,6 +544,9 @@ class Checkpointer:
         self._last_pre = started
         if self._pending is None or self._pending.post_done:
             self._stage_buffers()
+            # The writer may have failed while this step waited for a buffer set (it keeps
+            # handing sets back, unencoded, once it has): stop here, not a step later.
+            self._raise_if_failed()
         pending = self._pending
         if pending is None:  # unreachable: _stage_buffers always leaves a pending step
             raise RuntimeError("ldformat capture has no pending step")
