@@ -49,6 +49,16 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
+def _raw_bytes(trainer: Trainer) -> int:
+    """Bytes of the state's tensors, each stored tensor once (a tied weight is one tensor)."""
+    seen: dict[int, int] = {}
+    for name, t in _live_bits(trainer).items():
+        if name.startswith("model/"):
+            t = trainer.model.state_dict()[name[len("model/"):]]
+        seen.setdefault(t.untyped_storage().data_ptr() if name.startswith("model/") else id(t), t.nbytes)
+    return sum(seen.values())
+
+
 def _live_bits(trainer: Trainer) -> dict[str, torch.Tensor]:
     out = {f"model/{k}": _bits(v).clone() for k, v in trainer.model.state_dict().items()}
     for i, st in trainer.optimizer.state_dict()["state"].items():
@@ -83,7 +93,7 @@ def run(size: ModelSize, warmup: int, steps: int, rounds: int, workdir: Path) ->
         writers[enc] = ldformat.ChainWriter.create(workdir / enc, trainer.model, trainer.optimizer, kind="state.xor",
                                                    format_version=version, batch_steps=4, step=warmup)
         writers[enc].predict_state = predict
-    raw = sum(t.nbytes for t in _live_bits(trainer).values())
+    raw = _raw_bytes(trainer)
     cpu: dict[str, list[float]] = {enc: [] for enc in ENCODINGS}
     order = list(ENCODINGS)
     for i in range(steps):

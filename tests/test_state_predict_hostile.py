@@ -38,6 +38,7 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
+from record_edit import edit_records, record_paths
 from torch import nn
 
 import ldformat
@@ -45,7 +46,7 @@ import ldformat.writer
 from ldformat import ChainReader, ChainWriter
 from ldformat.delta import Segment, decode_batch, difference_delta, encode_batch
 from ldformat.errors import CorruptChainError, UnsupportedStateError, UnsupportedVersionError
-from ldformat.jsonvalue import canonical, object_checksum, with_checksum
+from ldformat.jsonvalue import object_checksum, with_checksum
 from ldformat.manifest import SlotInfo
 from ldformat.predict import predict_parameter, predict_second_moment
 from ldtools.cli import cli
@@ -145,29 +146,6 @@ def state_of(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
 
 
 # -- crafting batches ----------------------------------------------------------------------------
-def record_paths(chain: Path) -> list[Path]:
-    return sorted(p for p in (chain / "log").glob("*.json") if len(p.stem) == 12 and p.stem.isdigit())
-
-
-def edit_records(chain: Path, change: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Apply ``change`` to the records, then give each changed record a valid checksum and
-    re-link the ``prev`` of every record after the first changed one."""
-    paths = record_paths(chain)
-    docs = [json.loads(p.read_bytes()) for p in paths]
-    before = [canonical(d) for d in docs]
-    change(docs)
-    relink = False
-    prev: str | None = None
-    for path, doc, old in zip(paths, docs, before, strict=True):
-        if relink and doc.get("type") != "snapshot":
-            doc["prev"] = prev
-        if relink or canonical(doc) != old:
-            relink = True
-            doc = with_checksum(doc)
-            path.write_bytes(canonical(doc) + b"\n")
-        prev = doc.get("checksum")
-
-
 def delta_entry(docs: list[dict[str, Any]], step: int) -> dict[str, Any]:
     for doc in reversed(docs):
         for d in doc.get("deltas", []):

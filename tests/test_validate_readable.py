@@ -25,11 +25,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import TinyNet, train_step
+from record_edit import edit_records, record_paths
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, CorruptChainError, LdformatError
 from ldformat.anchor import decode_anchor, encode_anchor
-from ldformat.jsonvalue import canonical, object_checksum, with_checksum
+from ldformat.jsonvalue import object_checksum, with_checksum
 
 STEPS = 6
 ANCHOR_EVERY = 3  # anchors 0, 3, 6
@@ -77,29 +78,6 @@ def copy_of(pristine: Callable[[str], Path], kind: str, dst: Path) -> Path:
 
 
 # -- crafting records -----------------------------------------------------------------------
-def record_paths(chain: Path) -> list[Path]:
-    return sorted(p for p in (chain / "log").glob("*.json") if len(p.stem) == 12 and p.stem.isdigit())
-
-
-def edit_records(chain: Path, change: Callable[[list[dict[str, Any]]], None]) -> None:
-    """Apply ``change`` to the records (in sequence order), then give every changed record a
-    valid checksum and re-link the ``prev`` of every record after the first changed one."""
-    paths = record_paths(chain)
-    docs = [json.loads(p.read_bytes()) for p in paths]
-    before = [canonical(d) for d in docs]
-    change(docs)
-    relink = False
-    prev: str | None = None
-    for path, doc, old in zip(paths, docs, before, strict=True):
-        if relink and doc.get("type") != "snapshot":
-            doc["prev"] = prev
-        if relink or canonical(doc) != old:
-            relink = True
-            doc = with_checksum(doc)
-            path.write_bytes(canonical(doc) + b"\n")
-        prev = doc.get("checksum")
-
-
 def step_entry(docs: list[dict[str, Any]], step: int) -> dict[str, Any]:
     """The (newest) step entry of ``step``."""
     for doc in reversed(docs):
