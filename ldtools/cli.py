@@ -19,6 +19,7 @@ import re
 import sys
 import tempfile
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, NoReturn, TypeVar
@@ -466,6 +467,7 @@ def _chain_info(reader: ChainReader, full: dict[str, int] | None, full_error: st
         "anchor_bytes": sum(a.object.size for _, a in anchors),
         "delta_bytes": delta_bytes,
         "delta_bytes_per_step": delta_bytes / n_deltas if n_deltas else None,
+        "slot_encodings": dict(sorted(Counter(s.encoding for d in state.delta_entries() for s in d.slots).items())),
         "full_checkpoint_bytes": full_bytes,
         "full_checkpoint": {**(full or {}), "error": full_error},
         "compression_vs_full_checkpoints": (len(steps) * full_bytes / total) if total and full_bytes else None,
@@ -709,6 +711,12 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
               "run `ldtools validate` on the chain")
     if data["delta_bytes_per_step"] is not None:
         _echo(f"per step     {human_bytes(data['delta_bytes_per_step'])} of deltas")
+    if data["slot_encodings"]:
+        counts = ", ".join(f"{enc} {n}" for enc, n in data["slot_encodings"].items())
+        predicted = ""
+        if "adam.v" in data["slot_encodings"] or "adam.w" in data["slot_encodings"]:
+            predicted = " (adam.v/adam.w: Adam prediction, spec section 11.3.1)"
+        _echo(f"encodings    {counts} slot(s) in the delta batches{predicted}")
     ratio = data["compression_vs_full_checkpoints"]
     if ratio is not None and ratio >= 1:
         _echo(f"compression  {ratio:.1f}x smaller than a full checkpoint per step")

@@ -5,12 +5,14 @@ must fold instead, and slots that a chain's kind does not allow."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
 import ldformat
@@ -19,6 +21,7 @@ from ldformat.delta import check_slots, difference_delta, undifference, zigzag
 from ldformat.errors import CorruptChainError
 from ldformat.manifest import SlotInfo, state_delta_encoding
 from ldformat.predict import predict_parameter, predict_second_moment
+from ldtools.cli import cli
 
 SPEC = Path(__file__).parent.parent / "spec" / "ldformat.md"
 WIDTHS = {"float32": np.uint32, "bfloat16": np.uint16, "int64": np.uint64, "uint8": np.uint8}
@@ -174,6 +177,13 @@ def test_chains_of_both_versions_replay_every_step_exactly(tmp_path: Path, versi
     for step, ref in refs.items():
         assert_state_bits_equal(reader.materialize(step), ref, f"{version} step {step}")
     assert ldformat.validate(path, deep=True).ok
+    # ldtools info says which encodings the batches hold, so a user sees whether prediction applies
+    out = CliRunner().invoke(cli, ["info", str(path), "--json"])
+    assert out.exit_code == 0, out.output
+    encodings = json.loads(out.output)["slot_encodings"]
+    assert set(encodings) == _encodings(path) and all(n > 0 for n in encodings.values())
+    text = CliRunner().invoke(cli, ["info", str(path)]).output
+    assert ("Adam prediction" in text) == predicted and "encodings    " in text
 
 
 def test_appending_to_a_15_chain_keeps_xor(tmp_path: Path) -> None:
