@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .anchor import anchor_parts, write_anchor_parts
-from .delta import BatchEncoder, Segment, difference_delta, encode_batch, tensor_bits
+from .delta import MAX_COUNTS, BatchEncoder, Segment, difference_delta, encode_batch, tensor_bits
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .fold import ChainState
 from .jsonvalue import dtype_name, object_checksum_parts
@@ -458,7 +458,11 @@ class _MergedBatch:
         return len(self.entries)
 
     def fits(self, row: list[tuple[SlotInfo, np.ndarray]]) -> bool:
-        """Whether every tensor of ``row`` has this batch's slot for its name, or none yet."""
+        """Whether every tensor of ``row`` has this batch's slot for its name, or none yet, and
+        the batch stays within the counts a reader accepts (spec §10.5)."""
+        new = sum(1 for slot, _ in row if slot.name not in self.index)
+        if (self.rows + 1) * max(1, len(self.slots) + new) > MAX_COUNTS:
+            return False
         return all(slot.name not in self.index or self.slots[self.index[slot.name]] == slot for slot, _ in row)
 
     def add(self, row: list[tuple[SlotInfo, np.ndarray]], entry: StepEntry) -> None:

@@ -395,8 +395,9 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
             structure = i_text == "ref"  # optimizer/ref/...: a tensor of the optimizer structure (§8.2)
             if not key or not structure and (i is None or i >= len(params)):
                 raise CorruptChainError(f"{bad} names no optimizer parameter (the chain has {len(params)})")
-            if structure and slot.encoding == "adam.v":
-                raise CorruptChainError(f"{bad} has encoding 'adam.v', which is for optimizer/<i>/<key> (spec §11.3)")
+            if slot.encoding == "adam.v" and (structure or key == "exp_avg"):
+                raise CorruptChainError(f"{bad} has encoding 'adam.v', which is for optimizer/<i>/<key> other than "
+                                        "the first moment exp_avg it is predicted from (spec §10.3, §11.3.1)")
             expected = None
             if not _shape_ok(slot.shape) or slot.numel > max(1, total):
                 raise CorruptChainError(f"{bad} has shape {list(slot.shape)}: more elements than the "

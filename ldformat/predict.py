@@ -6,10 +6,10 @@ the previous ``m``, ``v`` and ``w``, and a few scalars. The writer stores those 
 float32 **coefficients** per parameter (slot ``predict/<i>``), and for ``v`` and ``w`` only the
 difference between the true bits and a **prediction**; the reader computes the same prediction
 and adds the difference back. The prediction is a fixed sequence of IEEE 754 binary32
-operations (each correctly rounded, subnormals kept, a NaN result replaced by +0.0), so every
-platform computes the same bits and replay stays exact wherever it runs, whichever kernel the
-optimizer used: a prediction that misses only costs bytes. On the benchmark workload (AdamW)
-it hits ``w`` exactly for 99% of the elements.
+operations (each correctly rounded, subnormals kept even in a thread that flushes them,
+a NaN result replaced by +0.0), so every platform computes the same bits and replay stays
+exact wherever it runs, whichever kernel the optimizer used: a prediction that misses only
+costs bytes. On the benchmark workload (AdamW) it hits ``w`` exactly for 99% of the elements.
 
 Coefficients ``[a, s, c, e, k, b, d]``, for parameter ``i`` at the recorded step:
 
@@ -24,14 +24,15 @@ decay), ``s = lr / (1 - b1**t)``, ``c = sqrt(1 - b2**t)``, ``e = eps``, ``k = 1 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from .errors import CorruptChainError
+from .errors import CorruptChainError, UnsupportedStateError
 from .jsonvalue import JSON, decode
 
 COEFFICIENTS = 7  # a, s, c, e, k, b, d: the float32 values of slot predict/<i>
@@ -39,6 +40,33 @@ PREDICT = "predict/"  # slot namespace of the coefficients (not a state tensor)
 FIRST_MOMENT, SECOND_MOMENT = "exp_avg", "exp_avg_sq"
 _CHUNK = 1 << 16  # elements per pass: the temporaries stay in the L1/L2 caches
 _F32 = np.float32
+
+
+def _flushes_subnormals() -> bool:
+    """Whether this thread's floating-point unit flushes subnormal inputs or results to zero
+    (``torch.set_flush_denormal(True)``, a library built with fast-math): the prediction
+    would then differ between a writer and a reader in different modes."""
+    tiny = np.array([1e-39, 1e-20], _F32)
+    product = tiny * np.array([1.0, 1e-20], _F32)
+    return bool(product[0] == 0 or product[1] == 0)
+
+
+@contextlib.contextmanager
+def ieee_subnormals() -> Iterator[None]:
+    """Run the block with subnormals kept, as spec §11.3.1 requires, and put the thread's mode
+    back afterwards; raise if the mode cannot be changed."""
+    if not _flushes_subnormals():
+        yield
+        return
+    torch.set_flush_denormal(False)
+    try:
+        if _flushes_subnormals():
+            raise UnsupportedStateError(
+                "this thread flushes subnormal floats to zero and it cannot be turned off, so Adam prediction "
+                "(spec §11.3.1) would not give the bits every other reader computes")
+        yield
+    finally:
+        torch.set_flush_denormal(True)
 
 
 def _canonical(out: np.ndarray, scratch: np.ndarray) -> None:
@@ -60,7 +88,7 @@ def predict_second_moment(m0: np.ndarray | None, m: np.ndarray | None, v0: np.nd
     m0f, mf, v0f, o = _f32(m0, n), _f32(m, n), _f32(v0, n), out.view(_F32)
     t = np.empty(min(n, _CHUNK), _F32)
     nan = np.empty(min(n, _CHUNK), bool)
-    with np.errstate(all="ignore"):  # inf - inf and the like: NaN, replaced below
+    with ieee_subnormals(), np.errstate(all="ignore"):  # inf - inf and the like: NaN, replaced below
         for i in range(0, n, _CHUNK):
             j = min(n, i + _CHUNK)
             tc, oc, bad = t[: j - i], o[i:j], nan[: j - i]
@@ -82,7 +110,7 @@ def predict_parameter(w0: np.ndarray | None, m: np.ndarray | None, v: np.ndarray
     w0f, mf, vf, o = _f32(w0, n), _f32(m, n), _f32(v, n), out.view(_F32)
     t = np.empty(min(n, _CHUNK), _F32)
     nan = np.empty(min(n, _CHUNK), bool)
-    with np.errstate(all="ignore"):  # sqrt of a negative, 0/0: NaN, replaced below
+    with ieee_subnormals(), np.errstate(all="ignore"):  # sqrt of a negative, 0/0: NaN, replaced below
         for i in range(0, n, _CHUNK):
             j = min(n, i + _CHUNK)
             tc, oc, bad = t[: j - i], o[i:j], nan[: j - i]
@@ -119,7 +147,10 @@ def adam_coefficients(optimizer: torch.optim.Optimizer, groups: JSON,
         for i in range(first, first + n):
             step = steps.get(i)
             if coef is not None and step is not None and step >= 1:
-                c = coef(step)
+                try:
+                    c = coef(step)
+                except (ValueError, OverflowError, ZeroDivisionError, FloatingPointError):
+                    c = None
                 if c is not None:
                     out[i] = c
         first += n
@@ -137,7 +168,8 @@ def _coefficients(g: dict[str, Any], decoupled: bool) -> Any:
     def at(step: float) -> np.ndarray | None:
         values = [1.0 - lr * wd if decoupled else 1.0, lr / (1.0 - b1**step), math.sqrt(1.0 - b2**step), eps,
                   1.0 / (1.0 - b1), b2, 1.0 - b2]
-        arr = np.array(values, np.float64).astype(_F32)
+        with np.errstate(all="ignore"):  # an absurd lr or eps: inf or 0 in float32, refused below
+            arr = np.array(values, np.float64).astype(_F32)
         if not np.isfinite(arr).all():
             return None
         return arr.view(np.uint32)

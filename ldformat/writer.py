@@ -645,9 +645,16 @@ class ChainWriter:
         # A tensor absent at this step is absent in the replayed state too: forget its base
         # (after keeping what the predictions of this row read from the previous state).
         prior = dict(self._xor_base)
-        for name in [n for n in self._xor_base if n not in tensors]:
-            del self._xor_base[name]
-        values.update(row_values(tensors, encodings, params, coefs, self._xor_base, prior, captured.scratch))
+        try:
+            for name in [n for n in self._xor_base if n not in tensors]:
+                del self._xor_base[name]
+            values.update(row_values(tensors, encodings, params, coefs, self._xor_base, prior, captured.scratch))
+        except Exception as e:
+            # The base has partly moved on to this step: no later step can be coded against it.
+            self._failed = ChainError(f"{self.path}: coding step {captured.step} failed ({type(e).__name__}: {e}); "
+                                      f"nothing after step {self.durable_step} is durable. Re-open the chain "
+                                      "with ChainWriter.open to continue")
+            raise self._failed from e
         self._xor_meta = {name: (ct.dtype, tuple(ct.shape)) for name, ct in tensors.items()}
 
     def _reset_xor_base_from_live(self) -> None:

@@ -272,3 +272,73 @@ def test_writer_refuses_an_unknown_format_version(tmp_path: Path) -> None:
     with pytest.raises(ldformat.UsageError, match="1.6"):
         ldformat.ChainWriter.create(tmp_path / "c", TinyNet(), torch.optim.SGD(TinyNet().parameters(), lr=0.1),
                                     kind="state.xor", format_version="1.7")
+
+
+@pytest.mark.parametrize("flushing", ["writer", "reader"])
+def test_prediction_keeps_subnormals_in_a_thread_that_flushes_them(tmp_path: Path, flushing: str) -> None:
+    """Spec §11.3.1: subnormals are kept whatever the thread's mode, or a writer and a reader in
+    different modes would predict different bits; the thread's mode is put back afterwards."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1e-37)  # weights and Adam state among the subnormals
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-38, eps=1e-40)
+    path = tmp_path / "chain"
+    refs: dict[int, dict] = {}
+    try:
+        torch.set_flush_denormal(flushing == "writer")
+        writer = ldformat.ChainWriter.create(path, model, opt, kind="state.xor", batch_steps=2)
+        for step in range(1, 5):
+            opt.zero_grad()
+            model(torch.full((2, 4), 1e-3)).sum().backward()
+            opt.step()
+            writer.record_step(step)
+            refs[step] = snapshot(model, opt)
+        writer.close()
+        assert "adam.w" in _encodings(path)
+        torch.set_flush_denormal(flushing == "reader")
+        reader = ldformat.ChainReader(path)
+        for step, ref in refs.items():
+            assert_state_bits_equal(reader.materialize(step), ref, f"step {step}")
+        still = np.array([1e-39], np.float32) * np.array([1.0], np.float32)
+        assert (still[0] == 0) == (flushing == "reader"), "the thread's mode is restored"
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_a_failure_while_coding_a_row_stops_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base may have moved on for part of the row: a retry of the step would code the rest
+    against the wrong base, so the writer refuses every later call until the chain is reopened."""
+    import ldformat.state_delta
+
+    path = tmp_path / "chain"
+    writer, refs = _train_chain(path, "1.6", steps=2, batch_steps=1)
+    model, opt = writer.model, writer.optimizer
+    calls = {"n": 0}
+    real = ldformat.state_delta.predict_parameter
+
+    def fail_on_second(*args: object, **kwargs: object) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("simulated allocation failure")
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ldformat.state_delta, "predict_parameter", fail_on_second)
+    train_step(model, opt, 3)
+    with pytest.raises(ldformat.ChainError, match="coding step 3 failed.*MemoryError"):
+        writer.record_step(3)
+    with pytest.raises(ldformat.ChainError, match="coding step 3 failed"):
+        writer.record_step(3)  # the retry is refused, never coded against a half-moved base
+    writer.abort()
+    monkeypatch.undo()
+    reader = ldformat.ChainReader(path)
+    assert reader.latest_step == 2
+    for step in reader.steps:
+        assert_state_bits_equal(reader.materialize(step), refs[step], f"step {step}")
+
+
+def test_adam_v_on_the_first_moment_is_refused() -> None:
+    slot = SlotInfo(name="optimizer/0/exp_avg", dtype="float32", shape=(4,), encoding="adam.v")
+    with pytest.raises(CorruptChainError, match="other than the first moment exp_avg"):
+        check_slots((slot,), SCHEMA, "state.xor", "batch")
