@@ -1015,10 +1015,11 @@ def difference_delta(bits: np.ndarray, base: np.ndarray | None, out: np.ndarray)
     overwritten). ``base`` None: the tensor appears, and is coded against all-zero bits."""
     n = bits.shape[0]
     tmp = np.empty(min(n, _SUB_CHUNK), bits.dtype)
+    copy = out is not bits
     for i in range(0, n, _SUB_CHUNK):
         b, o = bits[i:i + _SUB_CHUNK], out[i:i + _SUB_CHUNK]
         if base is None:
-            if o is not b:
+            if copy:
                 np.copyto(o, b)
         else:
             a = base[i:i + _SUB_CHUNK]
@@ -1045,14 +1046,6 @@ def undifference(values: np.ndarray, out: np.ndarray, accumulate: bool) -> None:
             d = dec[: z.shape[0]]
             _unzigzag_chunk(z, d, tmp[: z.shape[0]])
             np.add(o, d, out=o)
-
-
-def zigzag(values: np.ndarray) -> None:
-    """Zigzag a flat unsigned array in place (a merged ``sub`` delta's accumulated difference)."""
-    tmp = np.empty(min(values.shape[0], _SUB_CHUNK), values.dtype)
-    for i in range(0, values.shape[0], _SUB_CHUNK):
-        c = values[i:i + _SUB_CHUNK]
-        _zigzag_chunk(c, tmp[: c.shape[0]])
 
 
 def sub_into(target: torch.Tensor, seg: Segment) -> None:

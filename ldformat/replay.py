@@ -238,33 +238,40 @@ class Replayer:
         new = {slot.name for slot in added}
         predicted = {n: predicted_param(n, slots[n].encoding, self.schema.params)
                      for n in row if slots[n].encoding in PREDICTED}
-        # Spec §11.6: each adam.v prediction takes m before and after the row; every adam.w
-        # prediction takes m and v after it. So per parameter: m, then v, then w.
-        first_moments: dict[str, np.ndarray | None] = {}
+        # Spec §11.6: an adam.v prediction takes m before and after the row, an adam.w one m and
+        # v after it. Slots are independent otherwise, so each adam.v is applied right after
+        # its m (one copy of m at a time), then every adam.w.
+        second: dict[str, list[str]] = {}  # m -> the adam.v slots predicted from it
         for name, i in predicted.items():
-            m_name = moment_names(i)[0]
-            if slots[name].encoding == "adam.v" and m_name not in first_moments:
-                first_moments[m_name] = _bits_copy(self.tensors.get(m_name))
+            if slots[name].encoding == "adam.v":
+                second.setdefault(moment_names(i)[0], []).append(name)
+        # An m the row drops is removed before any slot is applied: keep what it was.
+        first_moments = {m: _bits_copy(self.tensors.get(m)) for m in second if m not in row}
         for name in removed:
             del self.tensors[name]
         with torch.no_grad():
             for name, seg in row.items():
                 if name in predicted or name.startswith(PREDICT):
                     continue
+                m0 = _bits_copy(self.tensors.get(name)) if name in second else None
                 if name in new:
                     self.tensors[name] = state_delta_tensor(seg, slots[name])
                 else:
                     apply_state_delta(self.tensors[name], seg, slots[name].encoding)
-            for encoding in PREDICTED:  # adam.v before adam.w
-                for name, i in predicted.items():
-                    if slots[name].encoding == encoding:
-                        self._apply_predicted(name, i, row, slots[name], first_moments)
+                for v_name in second.get(name, ()):
+                    self._apply_predicted(v_name, predicted[v_name], row, slots[v_name], m0)
+            for m_name in first_moments:
+                for v_name in second[m_name]:
+                    self._apply_predicted(v_name, predicted[v_name], row, slots[v_name], first_moments[m_name])
+            for name, i in predicted.items():
+                if slots[name].encoding == "adam.w":
+                    self._apply_predicted(name, i, row, slots[name], None)
         self.param_groups = entry.param_groups
         self.extra = entry.extra
         self.optimizer_structure = entry.optimizer
 
     def _apply_predicted(self, name: str, i: int, row: dict[str, Segment], slot: SlotInfo,
-                         first_moments: dict[str, np.ndarray | None]) -> None:
+                         m0: np.ndarray | None) -> None:
         """Spec §11.6 step 3: the prediction from the coefficients and the other tensors of the
         row, plus the stored difference; an absent input is all-zero bits."""
         m_name, v_name = moment_names(i)
@@ -275,7 +282,7 @@ class Replayer:
         out = _own_bits(target)
         m = _bits_of(self.tensors.get(m_name))
         if slot.encoding == "adam.v":
-            predict_second_moment(first_moments[m_name], m, out, coef, out)
+            predict_second_moment(m0, m, out, coef, out)
         else:
             predict_parameter(out, m, _bits_of(self.tensors.get(v_name)), coef, out)
         undifference(np.ascontiguousarray(row[name][1]), out, accumulate=True)
