@@ -17,9 +17,14 @@ from __future__ import annotations
 import gc
 import math
 import time
+import traceback
 import warnings
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from .peers import Config, LdformatConfig, make_configs
 from .stats import fmt_ci, summary, table, verdict
@@ -33,80 +38,183 @@ def window_for(cfg: Config, window: int) -> int:
 
 
 def run_overhead(size: ModelSize, workdir: Path, *, intervals: list[int], derived_intervals: list[int], rounds: int,
-                 window: int, log: Any = print) -> dict[str, Any]:
+                 window: int, log: Any = print, device: str | torch.device = "cpu") -> dict[str, Any]:
     warnings.filterwarnings("ignore", module="torch.distributed")
-    configs = make_configs(size, workdir, intervals, window)
+    configs = make_configs(size, workdir, intervals, window, device)
     log(f"  {len(configs)} configurations, model {size.name} ({n_params(configs[0].trainer.model) / 1e6:.1f}M "
         f"parameters), {rounds} rounds, windows of {window} steps (whole multiples of each interval)")
+    return run_configs(configs, size, intervals=intervals, derived_intervals=derived_intervals, rounds=rounds,
+                       window=window, log=log)
+
+
+def prepare(cfg: Config) -> None:
+    """Warm-up before timing: AdamW state, then checkpointing on and one checkpoint (untimed)."""
+    cfg.warmup(2)  # AdamW state exists before any checkpoint is taken
+    cfg.attach()
+    # Untimed steps with checkpointing on: allocations, and the ldformat policy (auto
+    # anchor_every is chosen after 8 measured steps), in whole batches.
+    if isinstance(cfg, LdformatConfig):
+        b = int(cfg.batch_steps) if isinstance(cfg.batch_steps, int) else 1
+        cfg.warmup(math.ceil(9 / b) * b)
+    elif cfg.family != "none":
+        cfg.save()  # one untimed checkpoint: allocations, files, threads
+    cfg.drain()
+    cfg.release_grads()
+
+
+def run_configs(configs: list[Config], size: ModelSize, *, rounds: int, window: int, intervals: list[int] | None = None,
+                derived_intervals: list[int] | None = None, log: Any = print,
+                keep_going: Callable[[int, list[float]], bool] | None = None, min_rounds: int = 2,
+                isolate: bool = False, track_bytes: bool = False, log_windows: bool = False,
+                step_sync: str = "stream", progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Interleaved rounds over ``configs`` (see the module docstring) and their analysis.
+
+    ``keep_going(round, round_seconds)`` is asked before every round after ``min_rounds``; False
+    ends the run early (a time or disk budget). ``isolate``: a configuration that raises is
+    recorded under ``failures`` and dropped; the others go on. ``track_bytes``: record the bytes
+    each window wrote (untimed). ``log_windows``: a log line per window. ``progress`` is filled
+    with the windows as they are measured, so that a caller can still report them if the run is
+    cut short. With CUDA, every window ends by synchronizing the device, and every step by
+    waiting for the training stream (``step_sync="stream"``, what ``loss.item()`` does: the
+    checkpointer's side-stream copies may overlap the next step) or for the whole device
+    (``"device"``: no such overlap).
+    """
+    warnings.filterwarnings("ignore", module="torch.distributed")
+    derived_intervals = derived_intervals or []
     started = time.perf_counter()
+    cuda = any(c.device.type == "cuda" for c in configs)
+    failures: dict[str, str] = {}
+    progress = progress if progress is not None else {}
+    progress["failures"] = failures
+
+    def guarded(cfg: Config, what: str, fn: Callable[[], None]) -> bool:
+        if not isolate:
+            fn()
+            return True
+        try:
+            fn()
+            return True
+        except Exception as e:
+            log(f"    {cfg.name}: FAILED in {what}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            failures[cfg.name] = f"{what}: {type(e).__name__}: {e}"
+            if cuda:
+                try:
+                    torch.cuda.empty_cache()  # an out-of-memory: room for the others
+                except Exception:  # a sticky CUDA error: the next window reports it
+                    pass
+            return False
+
     step_estimate = float("nan")
+    active: list[Config] = []
     for cfg in configs:
         t0 = time.perf_counter()
-        cfg.warmup(2)  # AdamW state exists before any checkpoint is taken
+        if not guarded(cfg, "warm-up", partial(prepare, cfg)):
+            guarded(cfg, "close", cfg.close)
+            continue
         if cfg.name == "none":
+            # Two plain steps came first in prepare(); the attach of "none" costs nothing.
             step_estimate = (time.perf_counter() - t0) / 2
-        cfg.attach()
-        # Untimed steps with checkpointing on: allocations, and the ldformat policy (auto
-        # anchor_every is chosen after 8 measured steps), in whole batches.
-        if isinstance(cfg, LdformatConfig):
-            b = int(cfg.batch_steps) if isinstance(cfg.batch_steps, int) else 1
-            cfg.warmup(math.ceil(9 / b) * b)
-        elif cfg.family != "none":
-            cfg.save()  # one untimed checkpoint: allocations, files, threads
-        cfg.drain()
-        cfg.release_grads()
+        active.append(cfg)
         gc.collect()
         log(f"    {cfg.name}: ready ({time.perf_counter() - t0:.0f} s)")
-    planned = rounds * sum(window_for(c, window) for c in configs)
+    planned = rounds * sum(window_for(c, window) for c in active)
     log(f"  set-up and warm-up: {time.perf_counter() - started:.0f} s; {planned} timed steps to go, about "
         f"{planned * step_estimate / 60:.0f} min at {step_estimate:.2f} s/step before checkpoint costs")
 
-    windows: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
-    for r in range(rounds):
-        t_round = time.perf_counter()
-        order = configs[r % len(configs):] + configs[: r % len(configs)]
-        for cfg in order:
-            w = window_for(cfg, window)
-            cfg.trainer.prefetch(cfg.trainer.steps + 1, w)
-            gc.collect()
-            c0 = cfg.counters()
-            t0 = time.perf_counter()
-            step_times = []
-            for _ in range(w):
-                ts = time.perf_counter()
-                cfg.step()
-                step_times.append(time.perf_counter() - ts)
-            t_steps = time.perf_counter() - t0
-            cfg.drain()
-            elapsed = time.perf_counter() - t0
-            c1 = cfg.counters()
-            cfg.release_grads()
-            windows[cfg.name].append({
-                "round": r, "steps": w, "seconds": elapsed, "drain_s": elapsed - t_steps,
-                "step_s": elapsed / w, "step_times": step_times,
-                **{f"d_{k}": (c1[k] - c0[k]) for k in c1},
-            })
-        log(f"  round {r + 1}/{rounds}: {time.perf_counter() - t_round:.0f} s")
-
-    policies = {c.name: c.policy() for c in configs if isinstance(c, LdformatConfig)}
-    create_s = {c.name: c.create_s for c in configs if isinstance(c, LdformatConfig)}
-    chains = {c.name: str(c.chain) for c in configs if isinstance(c, LdformatConfig)}
-    kinds = {c.name: c.kind for c in configs if isinstance(c, LdformatConfig)}
-    for cfg in configs:
-        cfg.close()
-    lifetime = {c.name: c.lifetime for c in configs if isinstance(c, LdformatConfig)}
     meta = {c.name: {"family": c.family, "interval": c.interval, "baseline": c.baseline} for c in configs}
-    del configs
+    windows: dict[str, list[dict[str, Any]]] = {c.name: [] for c in configs}
+    progress.update({"windows": windows, "meta": meta})
+    if step_sync not in ("stream", "device"):
+        raise ValueError(f"step_sync must be 'stream' or 'device', not {step_sync!r}")
+    sync_step: Callable[[], None] | None = None
+    if cuda:
+        sync_step = torch.cuda.current_stream().synchronize if step_sync == "stream" else torch.cuda.synchronize
+
+    def run_window(cfg: Config, r: int) -> None:
+        w = window_for(cfg, window)
+        cfg.trainer.prefetch(cfg.trainer.steps + 1, w)
+        gc.collect()
+        c0 = cfg.counters()
+        b0 = cfg.written_bytes() if track_bytes else 0
+        if cuda:
+            torch.cuda.synchronize()  # nothing left over from the previous window is timed here
+        t0 = time.perf_counter()
+        step_times = []
+        for _ in range(w):
+            ts = time.perf_counter()
+            cfg.step()
+            if sync_step is not None:
+                sync_step()
+            step_times.append(time.perf_counter() - ts)
+        t_steps = time.perf_counter() - t0
+        cfg.drain()
+        if cuda:
+            torch.cuda.synchronize()  # the checkpointer's side-stream copies are part of the window
+        elapsed = time.perf_counter() - t0
+        c1 = cfg.counters()
+        cfg.release_grads()
+        record = {
+            "round": r, "steps": w, "seconds": elapsed, "drain_s": elapsed - t_steps,
+            "step_s": elapsed / w, "step_times": step_times,
+            **{f"d_{k}": (c1[k] - c0[k]) for k in c1},
+        }
+        if track_bytes:
+            record["bytes"] = cfg.written_bytes() - b0
+        windows[cfg.name].append(record)
+        if log_windows:
+            log(f"    {cfg.name}: {elapsed / w * 1000:.1f} ms/step (drain {(elapsed - t_steps) * 1000:.0f} ms)")
+
+    round_seconds: list[float] = []
+    rounds_done = 0
+    for r in range(rounds):
+        if r >= min_rounds and keep_going is not None and not keep_going(r, round_seconds):
+            log(f"  stopping after {r} rounds (budget)")
+            break
+        if not active:
+            break
+        t_round = time.perf_counter()
+        order = active[r % len(active):] + active[: r % len(active)]
+        for cfg in order:
+            if not guarded(cfg, f"round {r + 1}", partial(run_window, cfg, r)):
+                active.remove(cfg)
+                guarded(cfg, "close", cfg.close)
+        round_seconds.append(time.perf_counter() - t_round)
+        rounds_done = r + 1
+        log(f"  round {r + 1}/{rounds}: {round_seconds[-1]:.0f} s")
+
+    ld = [c for c in active if isinstance(c, LdformatConfig)]
+    policies: dict[str, Any] = {}
+
+    def policy(c: LdformatConfig) -> None:
+        policies[c.name] = c.policy()
+
+    for c in ld:
+        guarded(c, "policy", partial(policy, c))
+    create_s = {c.name: c.create_s for c in ld}
+    chains = {c.name: str(c.chain) for c in ld}
+    kinds = {c.name: c.kind for c in ld}
+    for cfg in active:
+        guarded(cfg, "close", cfg.close)
+    lifetime = {c.name: c.lifetime for c in ld}
+    configs.clear()  # frees the models (the caller's list too) before the analysis and later sections
+    del active, ld
     gc.collect()
-    result = analyse(windows, meta, derived_intervals)
+    measured = {k: v for k, v in windows.items() if v}
+    result = analyse(measured, {k: meta[k] for k in measured}, derived_intervals)
     for name, life in lifetime.items():
+        if not life or name not in result["rows"]:
+            continue
         row = result["rows"][name]
         row["lifetime"] = life
         row["bg_cpu_per_step_lifetime_s"] = life["background_cpu_s"] / max(1, life["steps"])
-    result.update({"model": size.to_dict(), "rounds": rounds, "window": window, "intervals": intervals,
+    result.update({"model": size.to_dict(), "rounds": rounds_done, "window": window, "intervals": intervals,
                    "derived_intervals": derived_intervals, "policies": policies, "chain_create_s": create_s,
                    "chains": chains, "kinds": kinds, "windows": windows, "lifetime": lifetime,
                    "wall_s": time.perf_counter() - started})
+    if rounds_done != rounds:
+        result["rounds_planned"] = rounds
+    if isolate:
+        result["failures"] = failures
     return result
 
 
@@ -114,12 +222,13 @@ def analyse(windows: dict[str, list[dict[str, Any]]], meta: dict[str, dict[str, 
             derived_intervals: list[int]) -> dict[str, Any]:
     rows: dict[str, dict[str, Any]] = {}
     for name, ws in windows.items():
-        base = windows[meta[name]["baseline"]]
+        base = windows.get(meta[name]["baseline"], [])  # missing only if the baseline failed
         by_round = {w["round"]: w for w in base}
         ratios = [w["step_s"] / by_round[w["round"]]["step_s"] - 1 for w in ws if w["round"] in by_round]
         steps = sum(w["steps"] for w in ws)
         base_step = summary([w["step_s"] for w in base])["median"]
         stall = sum(w["d_stall_s"] for w in ws) / steps
+        bytes_ = [w["bytes"] for w in ws if "bytes" in w]
         rows[name] = {
             **meta[name],
             "derived": False,
@@ -136,6 +245,8 @@ def analyse(windows: dict[str, list[dict[str, Any]]], meta: dict[str, dict[str, 
             "commits_in_windows": sum(w.get("d_commits", 0) for w in ws),
             "steps": steps,
         }
+        if bytes_:
+            rows[name]["bytes_per_step"] = sum(bytes_) / steps
     if "none+topk" in rows and "none" in windows:
         none_by_round = {w["round"]: w for w in windows["none"]}
         rows["none+topk"]["vs_none"] = summary([w["step_s"] / none_by_round[w["round"]]["step_s"] - 1

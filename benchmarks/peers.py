@@ -16,6 +16,11 @@ stall and background CPU seconds.
   previous save); background CPU = the CPU time of its writer thread.
 * ``checkfreq/k``: CheckFreq's two phases: snapshot into reused CPU buffers on the training
   thread, persist (torch.save + fsync) in a background thread, at most one in flight.
+
+Every configuration takes a ``device`` (default ``"cpu"``). With CUDA, the CheckFreq snapshot
+buffers are pinned, and DCP stages into its cached pinned CPU copy (one writer per slot,
+reused), as DCP recommends for repeated async saves. ``written_bytes()`` counts the bytes a
+configuration has written (untimed: it walks directories).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ import queue
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +61,20 @@ def fsync_tree(path: Path) -> None:
     fsync_file(path.parent)
 
 
+def dir_bytes(path: Path) -> int:
+    """Total size of the files under ``path`` (a file: its size; missing: 0)."""
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except FileNotFoundError:  # a temporary file renamed meanwhile
+                pass
+    return total
+
+
 def flat_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Model + optimizer tensors as one flat dict, each storage once (safetensors refuses aliases)."""
     out: dict[str, torch.Tensor] = {}
@@ -78,16 +99,18 @@ class Config:
     interval = 1
     kind: str | None = None  # ldformat chain kind, if any
 
-    def __init__(self, name: str, size: ModelSize, workdir: Path, *, topk: bool = False) -> None:
+    def __init__(self, name: str, size: ModelSize, workdir: Path, *, topk: bool = False,
+                 device: str | torch.device = "cpu") -> None:
         self.name = name
         self.size = size
         self.workdir = workdir
+        self.device = torch.device(device)
         self.compressor = None
         if topk:
             from ldformat import TopK
 
             self.compressor = TopK(0.01)
-        self.trainer = Trainer(size, compressor=self.compressor)
+        self.trainer = Trainer(size, compressor=self.compressor, device=self.device)
         self.stall_s = 0.0
         self.bg_cpu_s = 0.0
         self.saves = 0
@@ -120,6 +143,10 @@ class Config:
         return {"stall_s": self.stall_s, "bg_cpu_s": self.bg_cpu_s, "compress_s": self.trainer.compress_s,
                 "saves": self.saves}
 
+    def written_bytes(self) -> int:
+        """Bytes written so far (call after ``drain()``)."""
+        return 0
+
     def release_grads(self) -> None:
         self.trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -135,8 +162,8 @@ class LdformatConfig(Config):
     family = "ldformat"
 
     def __init__(self, name: str, size: ModelSize, workdir: Path, *, mode: str, anchor_every: int | str = "auto",
-                 batch_steps: int | str = "auto") -> None:
-        super().__init__(name, size, workdir, topk=(mode == "lowdiff"))
+                 batch_steps: int | str = "auto", device: str | torch.device = "cpu") -> None:
+        super().__init__(name, size, workdir, topk=(mode == "lowdiff"), device=device)
         from ldformat.capture.runtime import MODES
 
         self.mode = mode
@@ -178,6 +205,9 @@ class LdformatConfig(Config):
                 "saves": st.steps, "backpressure_s": st.backpressure_s, "commits": st.commits,
                 "anchors": st.anchors_written}
 
+    def written_bytes(self) -> int:
+        return dir_bytes(self.chain)  # the chain only grows: anchors, deltas, logs, commit records
+
     def policy(self) -> dict[str, Any]:
         from ldformat.capture import optimal_batch_steps
 
@@ -204,19 +234,36 @@ class LdformatConfig(Config):
 class EveryK(Config):
     """A peer that saves every ``interval`` steps into its own directory."""
 
-    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
-        super().__init__(name, size, workdir)
+    suffix = ""
+
+    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(name, size, workdir, device=device)
         self.interval = interval
         self.dir = workdir / name.replace("/", "-")
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._save_bytes: int | None = None
+
+    def slot(self, i: int) -> Path:
+        """Saves alternate between two slots, so that one complete checkpoint always exists."""
+        return self.dir / f"ckpt-{i % 2}{self.suffix}"
+
+    def written_bytes(self) -> int:
+        # Every save has the same size: measure one finished save once.
+        if self.saves == 0:
+            return 0
+        if self._save_bytes is None:
+            self._save_bytes = dir_bytes(self.slot(0))
+        return self.saves * self._save_bytes
 
 
 class TorchSave(EveryK):
     family = "torch.save"
+    suffix = ".pt"
 
     def save(self) -> None:
         t0 = time.perf_counter()
-        path = self.dir / f"ckpt-{self.saves % 2}.pt"
+        path = self.slot(self.saves)
         with open(path, "wb") as f:
             torch.save(self.trainer.state_dict(), f)
             f.flush()
@@ -228,13 +275,17 @@ class TorchSave(EveryK):
 
 class SafetensorsSave(EveryK):
     family = "safetensors"
+    suffix = ".safetensors"
 
     def save(self) -> None:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
-        path = self.dir / f"ckpt-{self.saves % 2}.safetensors"
-        save_file(flat_state(self.trainer.model, self.trainer.optimizer), str(path))
+        path = self.slot(self.saves)
+        tensors = flat_state(self.trainer.model, self.trainer.optimizer)
+        if self.device.type != "cpu":  # not every safetensors version copies device tensors itself
+            tensors = {k: v.cpu() for k, v in tensors.items()}
+        save_file(tensors, str(path))
         fsync_file(path)
         fsync_file(self.dir)
         self.saves += 1
@@ -244,14 +295,20 @@ class SafetensorsSave(EveryK):
 class DcpAsync(EveryK):
     family = "dcp.async_save"
 
-    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
-        super().__init__(name, size, workdir, interval=interval)
+    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(name, size, workdir, interval=interval, device=device)
         self.future: Any = None
         self._lock = threading.Lock()
+        # CUDA: DCP's cached pinned staging copy needs the same writer reused, so one per slot.
+        self._cache = self.device.type == "cuda"
+        self._writers: dict[Path, Any] = {}
 
     def _writer(self, path: Path) -> Any:
         from torch.distributed.checkpoint import FileSystemWriter
 
+        if path in self._writers:
+            return self._writers[path]
         config = self
 
         class TimedWriter(FileSystemWriter):
@@ -264,7 +321,10 @@ class DcpAsync(EveryK):
                         config.bg_cpu_s += time.thread_time()
                 return result
 
-        return TimedWriter(str(path), sync_files=True)
+        if not self._cache:
+            return TimedWriter(str(path), sync_files=True)
+        self._writers[path] = TimedWriter(str(path), sync_files=True, cache_staged_state_dict=True)
+        return self._writers[path]
 
     def _wait(self) -> None:
         if self.future is not None:
@@ -277,7 +337,7 @@ class DcpAsync(EveryK):
 
         t0 = time.perf_counter()
         self._wait()  # at most one in flight
-        path = self.dir / f"ckpt-{self.saves % 2}"
+        path = self.slot(self.saves)
         self.future = dcp.async_save(self.trainer.state_dict(), storage_writer=self._writer(path), no_dist=True)
         self.saves += 1
         self.stall_s += time.perf_counter() - t0
@@ -295,9 +355,11 @@ class DcpAsync(EveryK):
 
 class CheckFreq(EveryK):
     family = "checkfreq"
+    suffix = ".pt"
 
-    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int) -> None:
-        super().__init__(name, size, workdir, interval=interval)
+    def __init__(self, name: str, size: ModelSize, workdir: Path, *, interval: int,
+                 device: str | torch.device = "cpu") -> None:
+        super().__init__(name, size, workdir, interval=interval, device=device)
         self.snapshot: dict[str, Any] | None = None
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._idle = threading.Event()
@@ -309,8 +371,10 @@ class CheckFreq(EveryK):
     def _copy_into(self, dst: Any, src: Any) -> Any:
         if isinstance(src, torch.Tensor):
             if dst is None:
+                if src.device.type == "cuda":  # pinned: a fast device-to-host copy, as CheckFreq does
+                    return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src.detach())
                 return src.detach().to("cpu", copy=True)
-            dst.copy_(src.detach())
+            dst.copy_(src.detach())  # blocking: the snapshot is complete when save() returns
             return dst
         if isinstance(src, dict):
             return {k: self._copy_into(None if dst is None else dst.get(k), v) for k, v in src.items()}
@@ -325,7 +389,7 @@ class CheckFreq(EveryK):
             raise self._error
         self.snapshot = self._copy_into(self.snapshot, self.trainer.state_dict())
         self._idle.clear()
-        self._jobs.put(self.dir / f"ckpt-{self.saves % 2}.pt")
+        self._jobs.put(self.slot(self.saves))
         self.saves += 1
         self.stall_s += time.perf_counter() - t0
 
@@ -375,17 +439,27 @@ def batch_steps_for(size: ModelSize, mode: str, window: int, max_batch_bytes: in
     return max(fits, default=1)
 
 
-def make_configs(size: ModelSize, workdir: Path, intervals: list[int], window: int) -> list[Config]:
-    """Every configuration of the overhead benchmark, in a fixed order."""
-    configs: list[Config] = [
-        NoCheckpoint("none", size, workdir),
-        NoCheckpoint("none+topk", size, workdir, topk=True),
+def config_factories(size: ModelSize, workdir: Path, intervals: list[int], window: int,
+                     device: str | torch.device = "cpu") -> list[tuple[str, Callable[[], Config]]]:
+    """(name, constructor) of every configuration of the overhead benchmark, in a fixed order;
+    construction is deferred so that a caller can pick some or survive one that fails."""
+    out: list[tuple[str, Callable[[], Config]]] = [
+        ("none", partial(NoCheckpoint, "none", size, workdir, device=device)),
+        ("none+topk", partial(NoCheckpoint, "none+topk", size, workdir, topk=True, device=device)),
     ]
     for mode in ("lowdiff", "lowdiff+", "xor"):
-        configs.append(LdformatConfig(f"ldformat {mode}", size, workdir, mode=mode, anchor_every="auto",
-                                      batch_steps=batch_steps_for(size, mode, window)))
-    for cls, label in ((TorchSave, "torch.save"), (SafetensorsSave, "safetensors"), (DcpAsync, "dcp.async_save"),
-                       (CheckFreq, "checkfreq")):
+        out.append((f"ldformat {mode}", partial(
+            LdformatConfig, f"ldformat {mode}", size, workdir, mode=mode, anchor_every="auto",
+            batch_steps=batch_steps_for(size, mode, window), device=device)))
+    classes: list[tuple[type[EveryK], str]] = [(TorchSave, "torch.save"), (SafetensorsSave, "safetensors"),
+                                               (DcpAsync, "dcp.async_save"), (CheckFreq, "checkfreq")]
+    for cls, label in classes:
         for k in intervals:
-            configs.append(cls(f"{label}/{k}", size, workdir, interval=k))
-    return configs
+            out.append((f"{label}/{k}", partial(cls, f"{label}/{k}", size, workdir, interval=k, device=device)))
+    return out
+
+
+def make_configs(size: ModelSize, workdir: Path, intervals: list[int], window: int,
+                 device: str | torch.device = "cpu") -> list[Config]:
+    """Every configuration of the overhead benchmark, in a fixed order."""
+    return [make() for _name, make in config_factories(size, workdir, intervals, window, device)]

@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 
 from .anchor import anchor_parts, write_anchor_parts
-from .delta import MAX_COUNTS, BatchEncoder, Segment, difference_delta, encode_batch, tensor_bits
+from .delta import (
+    MAX_COUNTS,
+    BatchEncoder,
+    Segment,
+    default_encode_threads,
+    difference_delta,
+    encode_batch,
+    encode_pool,
+    tensor_bits,
+)
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
 from .fold import ChainState
 from .jsonvalue import dtype_name, object_checksum_parts
@@ -385,7 +394,8 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
         rows.append(row_out)
     first, last_step = entries[0].step, entries[-1].step
     group = batch_group_path(first, last_step)
-    objects = encode_batch(slots, rows, {"kind": reader.kind, "first": first, "last": last_step, "merged": True})
+    objects = encode_batch(slots, rows, {"kind": reader.kind, "first": first, "last": last_step, "merged": True},
+                           encode_pool(default_encode_threads()))
     refs = []
     for key, data in sorted(objects.items()):
         ref = _write_object(reader, f"{group}/{key}", data, written)
@@ -451,7 +461,7 @@ class _MergedBatch:
         self.slots: list[SlotInfo] = []
         self.index: dict[str, int] = {}
         self.entries: list[StepEntry] = []
-        self.encoder = BatchEncoder()
+        self.encoder = BatchEncoder(encode_pool(default_encode_threads()))
 
     @property
     def rows(self) -> int:

@@ -15,11 +15,14 @@ codec chain with ``crc32c``.
 
 from __future__ import annotations
 
+import os
 import struct
+import threading
 import warnings
 import zlib
+from collections import deque
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, TypedDict, TypeGuard
 
@@ -95,6 +98,33 @@ def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: np.dty
         )
 
 
+def default_encode_threads() -> int:
+    """Threads a writer compresses with by default: half the cores this process may use, at
+    most 8 (training keeps the others), and 1, the writer's own thread, on 3 cores or fewer."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on every platform
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2)) if cores > 3 else 1
+
+
+_encode_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+_encode_pools_lock = threading.Lock()
+
+
+def encode_pool(threads: int) -> ThreadPoolExecutor | None:
+    """The process's pool of ``threads`` compression threads (None for 1: compress inline).
+    Keyed by process id too: a forked child must not use its parent's threads, which it lacks."""
+    if threads <= 1:
+        return None
+    key = (os.getpid(), threads)
+    with _encode_pools_lock:
+        pool = _encode_pools.get(key)
+        if pool is None:
+            pool = _encode_pools[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ldformat-encode")
+        return pool
+
+
 def gap_code(idx: np.ndarray) -> np.ndarray:
     """Sorted flat indices as uint32 gaps: the first absolute, then differences (spec §10.1)."""
     gaps = np.empty(idx.shape[0], dtype=np.uint32)
@@ -113,7 +143,9 @@ class ArrayEncoder:
     one chunk, compressed by :meth:`finish` once the length is known.
     """
 
-    def __init__(self, width: int, codec: BloscOptions) -> None:
+    def __init__(self, width: int, codec: BloscOptions, pool: ThreadPoolExecutor | None = None) -> None:
+        """``pool``: compress chunks on its threads (blosc releases the GIL), at most
+        ``workers + 1`` at a time; the objects are the same bytes as without it."""
         self.dtype = np.dtype(WIDTH_DTYPES[width])
         self.codec = codec
         self.size = 0
@@ -124,6 +156,10 @@ class ArrayEncoder:
         self._chunks: list[bytes] = []
         self._pending: np.ndarray | None = None  # one reused chunk-sized buffer
         self._fill = 0
+        self._pool = pool
+        self._in_flight: deque[tuple[Future[bytes], np.ndarray]] = deque()  # in chunk order
+        self._spare: list[np.ndarray] = []  # chunk buffers whose compression is done
+        self._max_in_flight = (pool._max_workers + 1) if pool is not None else 0
 
     def append(self, data: np.ndarray) -> None:
         """Add elements at the end; ``data`` may be reused by the caller once this returns."""
@@ -134,7 +170,7 @@ class ArrayEncoder:
             self._buffer()[self._fill : self._fill + pos] = data[:pos]
             self._fill += pos
             if self._fill == chunk:
-                self._compress(self._buffer())
+                self._compress_pending()
                 self._fill = 0
         while n - pos >= chunk:  # whole chunks inside ``data``: compressed from a view, no copy
             self._compress(data[pos : pos + chunk])
@@ -148,24 +184,65 @@ class ArrayEncoder:
         """The chunk objects ``<name>/c/<i>``, the last one padded with the fill value as zarr does."""
         if self._fill:
             pending = self._buffer()
-            if self._chunks:
+            if self._chunks or self._in_flight:
                 pending[self._fill :] = 0
-                self._compress(pending)
+                self._compress_pending()
             else:  # the whole array is shorter than a chunk: one chunk of exactly its length
                 self._compress(pending[: self._fill])
             self._fill = 0
-        self._pending = None
+        while self._in_flight:
+            self._collect()
+        self._pending, self._spare = None, []
         return {f"{name}/c/{i}": data for i, data in enumerate(self._chunks)}
 
     def _buffer(self) -> np.ndarray:
         if self._pending is None:
-            self._pending = np.empty(self._chunk, dtype=self.dtype.newbyteorder("<"))
+            self._pending = (self._spare.pop() if self._spare
+                             else np.empty(self._chunk, dtype=self.dtype.newbyteorder("<")))
         return self._pending
 
-    def _compress(self, chunk: np.ndarray) -> None:
+    def _encode(self, chunk: np.ndarray) -> bytes:
         # codec chain bytes -> blosc -> crc32c, as zarr's codecs do it; crc32c appends the checksum little-endian
-        data = self._blosc.encode(chunk.view(np.uint8))
-        self._chunks.append(data + int(google_crc32c.value(data)).to_bytes(4, "little"))
+        data: bytes = self._blosc.encode(chunk.view(np.uint8))
+        return data + int(google_crc32c.value(data)).to_bytes(4, "little")
+
+    def _compress(self, chunk: np.ndarray) -> None:
+        """Compress a chunk the caller may reuse once this returns."""
+        if self._pool is None:
+            self._chunks.append(self._encode(chunk))
+            return
+        own = self._spare.pop() if self._spare else np.empty(self._chunk, dtype=self.dtype.newbyteorder("<"))
+        own = own[: chunk.shape[0]]
+        own[:] = chunk
+        self._submit(own)
+
+    def _compress_pending(self) -> None:
+        """Compress the full pending buffer; with a pool it is handed over, not copied."""
+        if self._pool is None:
+            self._chunks.append(self._encode(self._buffer()))
+            return
+        buf, self._pending = self._buffer(), None
+        self._submit(buf)
+
+    def _submit(self, buf: np.ndarray) -> None:
+        assert self._pool is not None
+        while len(self._in_flight) >= self._max_in_flight:
+            self._collect()
+        try:
+            future = self._pool.submit(self._encode, buf)
+        except RuntimeError:  # the pool refuses work at interpreter exit: compress here
+            future = Future()
+            future.set_result(self._encode(buf))
+        self._in_flight.append((future, buf))
+
+    def _collect(self) -> None:
+        """Wait for the oldest chunk in flight; its buffer becomes spare."""
+        future, buf = self._in_flight.popleft()
+        self._chunks.append(future.result())
+        if buf.base is not None:  # a short view of a chunk buffer (an array's last chunk)
+            buf = buf.base
+        if buf.shape[0] == self._chunk:
+            self._spare.append(buf)
 
 
 class BatchEncoder:
@@ -175,10 +252,12 @@ class BatchEncoder:
     (segment order). :meth:`finish` returns the objects of the group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, pool: ThreadPoolExecutor | None = None) -> None:
+        """``pool``: threads that compress value chunks (see :class:`ArrayEncoder`)."""
         self.counts: list[dict[int, int]] = []  # per row: slot -> elements stored
         self._indices: ArrayEncoder | None = None  # exists iff a sparse segment was added
         self._values: dict[int, ArrayEncoder] = {}
+        self._pool = pool
 
     @property
     def rows(self) -> int:
@@ -200,7 +279,7 @@ class BatchEncoder:
         width = values.dtype.itemsize
         encoder = self._values.get(width)
         if encoder is None:
-            encoder = self._values[width] = ArrayEncoder(width, VALUE_CODECS)
+            encoder = self._values[width] = ArrayEncoder(width, VALUE_CODECS, self._pool)
         encoder.append(values)
 
     def finish(self, n_slots: int, attributes: JSONObject) -> dict[str, bytes]:
@@ -222,9 +301,10 @@ class BatchEncoder:
         return {**{key: buf.to_bytes() for key, buf in store._store_dict.items()}, **chunks}
 
 
-def encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]], attributes: JSONObject) -> dict[str, bytes]:
+def encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]], attributes: JSONObject,
+                 pool: ThreadPoolExecutor | None = None) -> dict[str, bytes]:
     """Encode rows into the objects of one Zarr group: {relative key: bytes}."""
-    encoder = BatchEncoder()
+    encoder = BatchEncoder(pool)
     for row in rows:
         encoder.start_row()
         for j in sorted(row):

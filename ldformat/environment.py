@@ -32,13 +32,14 @@ def current_environment(device: str = "cpu") -> JSONObject:
 
 
 def differences(recorded: Mapping[str, JSON], device: str = "cpu") -> list[str]:
-    """Human-readable differences between the recorded and the current environment."""
-    recorded_device = recorded.get("device", device)
-    now = current_environment(recorded_device if isinstance(recorded_device, str) else device)
+    """Human-readable differences between the recorded environment and replay on ``device``
+    (a device type) here."""
+    now = current_environment(device)
     out = []
-    if recorded.get("device", "cpu") != "cpu":
-        out.append(f"device: recorded on {recorded['device']!r}, replayed on 'cpu'")
-    for key in ("torch", "cpu_capability", "machine"):
+    if recorded.get("device", "cpu") != device:
+        out.append(f"device: recorded on {recorded.get('device', 'cpu')!r}, replayed on {device!r}")
+    # The CPU's instruction set matters only to replay on the CPU.
+    for key in ("torch", "cpu_capability", "machine") if device == "cpu" else ("torch",):
         if key in recorded and recorded[key] != now[key]:
             out.append(f"{key}: recorded {recorded[key]!r}, here {now[key]!r}")
     return out

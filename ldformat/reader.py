@@ -79,6 +79,10 @@ class ChainReader:
         store: an explicit :class:`~ldformat.stores.Store` (``path`` then only names the chain).
         storage_options: settings of an object store, overriding its environment variables
             (see :class:`~ldformat.stores.ObjectStore`).
+        replay_device: where gradient deltas are replayed (default the CPU). Gradient replay is
+            bit-exact on the device type the chain was recorded on (spec §11.8): give
+            ``"cuda"`` for a chain recorded on a GPU. Results are CPU tensors either way;
+            ``state.xor`` chains are exact anywhere and ignore it.
 
     Example:
         >>> reader = ChainReader("runs/chain")                     # doctest: +SKIP
@@ -87,8 +91,10 @@ class ChainReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], *, store: Store | None = None,
-                 storage_options: dict[str, Any] | None = None) -> None:
+                 storage_options: dict[str, Any] | None = None,
+                 replay_device: torch.device | str | None = None) -> None:
         self.path = chain_name(path, store)
+        self.replay_device = torch.device(replay_device) if replay_device is not None else torch.device("cpu")
         self.store = open_store(path, store, storage_options)
         self.root: RootMetadata = read_root(self.store, self.path)
         self._warned_env = False
@@ -251,7 +257,7 @@ class ChainReader:
         tensors = self.load_anchor_tensors(anchor_step)
         with _unexpected_as_corrupt(where):
             replayer = Replayer(self.root, tensors, entry.param_groups, entry.extra, optimizer=entry.optimizer,
-                                chain=self.path)
+                                chain=self.path, device=self.replay_device)
             check_anchor(replayer.schema, entry, tensor_metas(tensors), where)
         return replayer
 
@@ -282,12 +288,16 @@ class ChainReader:
                 batches.close()
 
     def _warn_environment(self) -> None:
-        diffs = differences(self.root.environment)
+        diffs = differences(self.root.environment, self.replay_device.type)
         if diffs and not self._warned_env:
             self._warned_env = True
+            recorded = self.root.environment.get("device")
+            hint = (f" Replay on the recording device with ChainReader(..., replay_device={recorded!r}) "
+                    f"(ldtools materialize --replay-device {recorded})." if isinstance(recorded, str)
+                    and recorded != self.replay_device.type else "")
             warnings.warn(
                 f"{self.path}: replaying in a different environment ({'; '.join(diffs)}); "
-                "results may differ in the last bits. Run `ldtools validate --deep` to measure it.",
+                f"results may differ in the last bits.{hint} Run `ldtools validate --deep` to measure it.",
                 ReplayEnvironmentWarning,
                 stacklevel=3,
             )

@@ -108,6 +108,10 @@ def step_optimizer(opt: torch.optim.Optimizer, step: int, where: str) -> None:
                                 f"recorded hyperparameters and state ({type(e).__name__}: {e})") from None
 
 
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type == "cpu" else t.detach().to("cpu")
+
+
 def _bits_of(t: torch.Tensor | None) -> np.ndarray | None:
     """The flat uint32 bits of a float32 replay tensor (its own memory), None if absent."""
     return None if t is None else _own_bits(t)
@@ -146,8 +150,12 @@ class Replayer:
     """A state being rolled forward, starting from an anchor."""
 
     def __init__(self, root: RootMetadata, tensors: dict[str, torch.Tensor], param_groups: JSON, extra: JSON,
-                 *, optimizer: JSON = None, chain: str = "") -> None:
+                 *, optimizer: JSON = None, chain: str = "", device: torch.device | str | None = None) -> None:
+        """``device``: where gradient replay steps the optimizer (default the CPU). Gradient
+        replay is bit-exact on the device type the chain was recorded on (spec §11.8, §13);
+        the tensors of :meth:`result` are CPU tensors either way."""
         self.root = root
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.schema = Schema.of(root, chain)
         self.tensors = tensors
         self.param_groups = param_groups
@@ -157,6 +165,7 @@ class Replayer:
         self._optimizer: torch.optim.Optimizer | None = None
         self._params: list[torch.Tensor] = []
         self._grad_buffers: dict[int, torch.Tensor] = {}
+        self._device_grads: dict[int, torch.Tensor] = {}
 
     # -- gradient replay -------------------------------------------------------------
     def rules(self, where: str) -> OptimizerRules:
@@ -173,6 +182,9 @@ class Replayer:
             t = self.tensors.get(f"model/{n}")
             if t is None:
                 raise CorruptChainError(f"{where}: the anchor lacks model/{n}")
+            if t.device != self.device:
+                # The optimizer's load_state_dict moves its state to each parameter's device.
+                t = self.tensors[f"model/{n}"] = t.to(self.device)
             params.append(_leaf(t))
         joined = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where)
         state = joined.get("state", {})
@@ -201,14 +213,14 @@ class Replayer:
                     raise CorruptChainError(f"{where}: slot grad/{i} does not have the dtype and shape of optimizer "
                                             f"parameter {i} ({self.schema.params[i]}; spec §10.3)")
                 if seg[0] is None:  # dense: the decoded values are used once, so no copy
-                    p.grad = dense_view(seg, slot)
+                    p.grad = self._on_device(i, dense_view(seg, slot))
                     continue
                 buf = self._grad_buffers.get(i)
                 if buf is None or tuple(buf.shape) != slot.shape or buf.dtype != parse_dtype(slot.dtype):
                     buf = self._grad_buffers[i] = segment_to_tensor(seg, slot)
                 else:
                     fill_from_segment(buf, seg)  # reuse: replay allocates no gradient per step
-                p.grad = buf
+                p.grad = self._on_device(i, buf)
             try:
                 step_optimizer(opt, entry.step, where)
             finally:
@@ -221,6 +233,16 @@ class Replayer:
                 self._overwrite(name, segment_to_tensor(seg, slots[name]), where)
         self.param_groups = entry.param_groups
         self.extra = entry.extra
+
+    def _on_device(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` on the replay device, in a buffer reused from step to step."""
+        if self.device.type == "cpu":
+            return grad
+        buf = self._device_grads.get(i)
+        if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+            buf = self._device_grads[i] = torch.empty(grad.shape, dtype=grad.dtype, device=self.device)
+        buf.copy_(grad)
+        return buf
 
     def _overwrite(self, name: str, value: torch.Tensor, where: str) -> None:
         target = self.tensors.get(name)
@@ -305,9 +327,10 @@ class Replayer:
             t = self.tensors.get(f"model/{source}")
             if t is None:
                 raise CorruptChainError(f"{where}: the chain's state lacks model/{source} at step {step}")
-            model[key] = t.detach()
+            model[key] = _on_cpu(t.detach())
         groups = check_param_groups(self.schema, self.param_groups, where)
-        optimizer = join_state(self.tensors, self.optimizer_structure, groups, len(self.schema.params), where)
+        tensors = self.tensors if self.device.type == "cpu" else {n: _on_cpu(t) for n, t in self.tensors.items()}
+        optimizer = join_state(tensors, self.optimizer_structure, groups, len(self.schema.params), where)
         return {"model": model, "optimizer": optimizer, "step": step, "extra": check_extra(self.extra, where)}
 
 

@@ -368,9 +368,11 @@ def create_commit(store: Store, where: str, step: int, previous: Commit | None) 
 class ShardedReader:
     """Reads a sharded chain: committed steps, and the full unsharded state of any of them."""
 
-    def __init__(self, path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
+                 replay_device: torch.device | str | None = None) -> None:
         self.path = chain_name(path, None)
         self._location, self._options = path, storage_options
+        self._replay_device = replay_device
         self.store = open_store(path, None, storage_options)
         self.root = read_sharded_root(self.store, self.path)
         self.refresh()
@@ -385,7 +387,7 @@ class ShardedReader:
         for r in self.root.chain_ranks:
             location = rank_location(self._location, r)
             try:
-                self.ranks[r] = ChainReader(location, storage_options=self._options)
+                self.ranks[r] = ChainReader(location, storage_options=self._options, replay_device=self._replay_device)
             except NotAChainError as e:
                 raise CorruptChainError(f"{location}: rank {r}'s chain of the sharded chain {self.path} is "
                                         f"missing or unreadable ({e})") from None
@@ -652,12 +654,12 @@ def replica_problems(root: ShardedRoot, schema: Mapping[str, Any], tensors: Mapp
     return problems
 
 
-def open_reader(path: str | os.PathLike[str], *,
-                storage_options: dict[str, Any] | None = None) -> ChainReader | ShardedReader:
+def open_reader(path: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
+                replay_device: torch.device | str | None = None) -> ChainReader | ShardedReader:
     """A reader for the chain at ``path``: :class:`ShardedReader` for a sharded chain (spec §20),
-    else :class:`ChainReader`."""
+    else :class:`ChainReader` (``replay_device``: see :class:`ChainReader`)."""
     store = open_store(path, None, storage_options)
     if is_sharded(store):
-        return ShardedReader(path, storage_options=storage_options)
-    return ChainReader(path, storage_options=storage_options)
+        return ShardedReader(path, storage_options=storage_options, replay_device=replay_device)
+    return ChainReader(path, storage_options=storage_options, replay_device=replay_device)
 

@@ -13,6 +13,7 @@ parameter: ``v`` from ``m`` before and after the step, then ``m``, then ``w`` fr
 from __future__ import annotations
 
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -64,14 +65,17 @@ def wanted_encodings(tensors: Mapping[str, CapturedTensor], params: list[str], p
 
 def row_values(tensors: Mapping[str, CapturedTensor], encodings: Mapping[str, str], params: list[str],
                coefs: Mapping[int, np.ndarray], base: dict[str, np.ndarray],
-               prior: Mapping[str, np.ndarray], in_place: bool) -> dict[str, np.ndarray]:
+               prior: Mapping[str, np.ndarray], in_place: bool,
+               pool: ThreadPoolExecutor | None = None) -> dict[str, np.ndarray]:
     """The values of every tensor of a row, and the base moved on to this step's bits.
 
     ``encodings``: the slot encoding of each tensor in its batch; ``base``: the bits of the
     previous step's state, of the tensors present at this step (updated in place); ``prior``:
     the base before the tensors absent at this step were forgotten (``m`` before the step of a
     parameter whose ``m`` is gone now). ``in_place``: the captured bits may be overwritten
-    with the values (a staging buffer); otherwise each value gets its own array.
+    with the values (a staging buffer); otherwise each value gets its own array. ``pool``:
+    code the tensors of different parameters on its threads (numpy releases the GIL); a
+    parameter's tensors depend on each other and stay on one thread.
     """
     values: dict[str, np.ndarray] = {}
 
@@ -139,8 +143,29 @@ def row_values(tensors: Mapping[str, CapturedTensor], encodings: Mapping[str, st
             dependents.setdefault(moment_names(i)[0], []).append(name)
         elif enc == "adam.w":
             index_of[name] = params.index(name[len("model/"):])
-    for name in tensors:
-        compute(name)
+    if pool is None:
+        for name in tensors:
+            compute(name)
+    else:
+        # Each task writes only its own names' entries of ``values`` and ``base``.
+        param_of = {f"model/{p}": i for i, p in enumerate(params)}
+        groups: dict[object, list[str]] = {}
+        for name in tensors:
+            parts = name.split("/")
+            key: object = (int(parts[1]) if parts[0] == "optimizer" and len(parts) == 3 and parts[1].isdigit()
+                           else param_of.get(name, name))
+            groups.setdefault(key, []).append(name)
+        # Largest first, so that the last task to start is a short one.
+        ordered = sorted(groups.values(), key=lambda names: -sum(tensors[n].bits.nbytes for n in names))
+
+        def code(names: list[str]) -> None:
+            for name in names:
+                compute(name)
+
+        futures = [pool.submit(code, names) for names in ordered]
+        wait(futures)  # all of them, even after a failure: none may still write into the buffers
+        for future in futures:
+            future.result()
     for name in [n for n in encodings if encodings[n] in PREDICTED]:
         i = index_of[name]
         values.setdefault(f"{PREDICT}{i}", coefs.get(i, NO_PREDICTION))

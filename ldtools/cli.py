@@ -22,7 +22,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, NoReturn, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
@@ -31,6 +31,9 @@ from ldformat import ChainLockedError, ChainReader, LdformatError, NotAChainErro
 from ldformat.errors import OutputWriteError
 
 from .progress import PROGRESS_ENV, ProgressBar, human_bytes, progress_wanted
+
+if TYPE_CHECKING:
+    import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -955,7 +958,6 @@ def flatten_for_safetensors(state: dict[str, Any], with_optimizer: bool) -> tupl
     weights are tied the same way, and ``load_file`` gives every tensor once. Other tensors
     that share memory are copied (safetensors refuses shared memory).
     """
-    import torch
 
     model: dict[str, torch.Tensor] = state["model"]
     ties: dict[tuple[Any, ...], list[str]] = {}
@@ -1013,10 +1015,13 @@ def _progress_bar(show_progress: bool | None, labels: dict[str, str], byte_stage
 @click.option("--format", "fmt", type=click.Choice(["auto", "pt", "safetensors", "dcp"]), default="auto",
               show_default=True, help="Output format; auto takes it from the suffix of -o (.pt, .pth, .safetensors).")
 @click.option("--with-optimizer", is_flag=True, help="With .safetensors: add the flattened optimizer state.")
+@click.option("--replay-device", default=None, metavar="DEVICE",
+              help="Replay gradient deltas on this torch device (e.g. cuda) instead of the CPU: bit-exact for a "
+                   "chain recorded on that device type (see `ldtools info`). The output holds CPU tensors.")
 @PROGRESS
 @errors_to_exit_codes
 def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimizer: bool,
-                show_progress: bool | None) -> None:
+                replay_device: str | None, show_progress: bool | None) -> None:
     """Write the state of one step as a plain checkpoint.
 
     A .pt file holds {"model", "optimizer", "step", "extra"} and loads with
@@ -1044,7 +1049,7 @@ def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimize
         fmt = "safetensors" if suffix == ".safetensors" else "pt"
     if with_optimizer and fmt != "safetensors":
         raise UsageError("--with-optimizer applies to .safetensors output (.pt and dcp always hold the optimizer)")
-    reader = ldformat.open_reader(chain)
+    reader = ldformat.open_reader(chain, replay_device=_replay_device(replay_device))
     target = step if step is not None else reader.latest_step
     if isinstance(reader, ldformat.ShardedReader):
         label = f"reading {reader.world_size} rank chains at step {target}"
@@ -1071,6 +1076,21 @@ def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimize
     else:
         size = write_output(out, what, lambda f, tmp: torch.save(state, f))
     _echo(f"wrote step {state['step']} to {out} ({human_bytes(size)})")
+
+
+def _replay_device(name: str | None) -> torch.device | None:
+    """The ``--replay-device`` as a torch device, refused (usage error) if torch cannot use it here."""
+    if name is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError) as e:  # torch raises AssertionError for a build without CUDA
+        raise UsageError(f"--replay-device {name}: torch cannot use this device here ({e}); leave the option out "
+                         "to replay on the CPU") from None
+    return device
 
 
 @cli.command()

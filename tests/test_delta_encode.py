@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from zarr.storage import MemoryStore
 import ldformat
 from ldformat import delta
 from ldformat.captured import CapturedStep, CapturedTensor
-from ldformat.delta import BatchEncoder, Segment, decode_batch, encode_batch
+from ldformat.delta import BatchEncoder, Segment, decode_batch, default_encode_threads, encode_batch, encode_pool
 from ldformat.jsonvalue import dtype_name
 from ldformat.manifest import SlotInfo
 
@@ -134,13 +135,14 @@ WIDTH_TORCH_BY_NAME = {dtype_name(t): t for t in WIDTH_TORCH.values()}
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches(), st.sampled_from([8, 24, 40, 64, 256, 8 << 20]))
-def test_streaming_encoder_matches_reference(batch: Any, chunk: int) -> None:
+@given(batches(), st.sampled_from([8, 24, 40, 64, 256, 8 << 20]), st.sampled_from([1, 2, 3]))
+def test_streaming_encoder_matches_reference(batch: Any, chunk: int, threads: int) -> None:
+    """Inline, and with chunks compressed on 2 or 3 threads: the same bytes as zarr's."""
     slots, rows = batch
     attributes = {"kind": "test", "first": 1, "last": len(rows)}
     with chunk_bytes(chunk):
         want = reference_encode_batch(slots, rows, attributes)
-        got = encode_batch(slots, rows, attributes)
+        got = encode_batch(slots, rows, attributes, encode_pool(threads))
     assert_same_objects(got, want)
     decoded = decode_batch(got, tuple(slots), len(rows), "batch")
     for r, row in enumerate(rows):
@@ -151,6 +153,31 @@ def test_streaming_encoder_matches_reference(batch: Any, chunk: int) -> None:
             assert (got_idx is None) == (idx is None)
             if idx is not None:
                 assert got_idx is not None and np.array_equal(got_idx, idx)
+
+
+def test_many_chunks_in_flight_on_a_pool_keep_their_order() -> None:
+    """More chunks than the pool holds in flight, from whole-chunk views and from the pending
+    buffer: the chunk objects come out in order and the buffers are reused."""
+    rng = np.random.default_rng(2)
+    slots = [SlotInfo(name=f"s{j}", dtype="float32", shape=(n,), encoding="xor")
+             for j, n in enumerate([7, 400, 9, 33, 250])]
+    rows: list[dict[int, Segment]] = [
+        {j: (None, rng.integers(0, 2**32, size=s.shape[0], dtype=np.uint32)) for j, s in enumerate(slots)}
+        for _ in range(4)
+    ]
+    with chunk_bytes(64):
+        want = reference_encode_batch(slots, rows, {"kind": "test"})
+        got = encode_batch(slots, rows, {"kind": "test"}, encode_pool(3))
+    assert len([k for k in got if k.startswith("values_u32/c/")]) > 4 * 3
+    assert_same_objects(got, want)
+
+
+def test_default_encode_threads_leave_cores_to_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cores, threads in [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (64, 8)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)), raising=False)
+        assert default_encode_threads() == threads, cores
+    assert encode_pool(1) is None
+    assert encode_pool(2) is encode_pool(2)
 
 
 def test_segment_larger_than_several_chunks_and_offset_by_others() -> None:
@@ -187,11 +214,12 @@ def test_zero_rows_and_zero_slots() -> None:
     assert_same_objects(BatchEncoder().finish(1, {"kind": "test"}), reference_encode_batch(slots, [], {"kind": "test"}))
 
 
-def test_caller_may_reuse_its_buffers_after_add() -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_caller_may_reuse_its_buffers_after_add(threads: int) -> None:
     buf = np.arange(50, dtype=np.uint16)
     slots = [SlotInfo(name="a", dtype="bfloat16", shape=(50,), encoding="dense")]
     with chunk_bytes(64):  # 32 elements per chunk: each add leaves a tail behind
-        enc = BatchEncoder()
+        enc = BatchEncoder(encode_pool(threads))
         rows: list[dict[int, Segment]] = []
         for r in range(3):
             buf[:] = np.arange(50, dtype=np.uint16) * (r + 1)
@@ -230,17 +258,23 @@ def reference_difference(new: np.ndarray, prev: np.ndarray | None) -> np.ndarray
     return np.array(out, dtype=new.dtype)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(("kind", "version"), [("grad.dense", "1.6"), ("state.xor", "1.5"), ("state.xor", "1.6")])
 def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str,
-                                        version: str) -> None:
+                                        version: str, threads: int) -> None:
     """Reused capture buffers, tensors in changing order, one appearing and one absent; a
-    state.xor chain of format 1.5 stores XORs, one of 1.6 differences (spec §11.3)."""
+    state.xor chain of format 1.5 stores XORs, one of 1.6 differences (spec §11.3). With
+    ``encode_threads`` 3 the chunks are compressed on a pool: the same bytes."""
     monkeypatch.setattr(delta, "CHUNK_BYTES", 64)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "chain"
     writer = ldformat.ChainWriter.create(path, model, opt, kind=kind, batch_steps=3, capture_hook=False,
                                          format_version=version)
+    writer.encode_threads = threads
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ldformat.UsageError, match="encode_threads must be a count"):
+            writer.encode_threads = bad  # type: ignore[assignment]
     sub = kind == "state.xor" and version == "1.6"
     rng = np.random.default_rng(2)
     buffers = {"a": np.zeros(37, np.uint32), "b": np.zeros(10, np.uint16), "c": np.zeros(0, np.uint64),

@@ -141,8 +141,9 @@ def resume(
         step = _exact_step(reader) if exact else reader.latest_step
     elif step not in reader.steps:
         raise StepNotFoundError(f"{path}: step {step} is not in the chain")
-    state = reader.materialize(step)
     model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
+    reader.replay_device = replay_device(reader, model)
+    state = reader.materialize(step)
     if has_dtensors(model):  # a sharded model takes its slices of the full state
         load_full_state(model, optimizer, state)
     else:
@@ -167,6 +168,14 @@ def resume(
     if "rng" in extra:
         restore_rng(extra["rng"])
     return step
+
+
+def replay_device(reader: ChainReader, model: torch.nn.Module) -> torch.device:
+    """Where to replay the gradient deltas of ``reader`` for ``model``: the model's device when
+    the chain was recorded on that device type, where replay is bit-exact (spec §11.8), else
+    the CPU (ChainReader's default, which warns)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return device if reader.root.environment.get("device") == device.type else torch.device("cpu")
 
 
 def own_extra(extra: dict[str, Any], rank: int, where: str) -> dict[str, Any]:
@@ -213,6 +222,8 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     # Only the blocks this rank holds, from the rank chains that hold part of them (spec §20.6):
     # at the recording layout that is this rank's own chain.
     regions = live_regions(model)
+    for rank_reader in reader.ranks.values():
+        rank_reader.replay_device = replay_device(rank_reader, model)
     sources = sorted(needed_ranks(reader.root, regions) | ({rank} if same else set()))
     primary = rank if same else (sources[0] if sources else 0)
     sources = sorted(set(sources) | {primary})

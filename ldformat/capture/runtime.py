@@ -159,6 +159,10 @@ class Checkpointer:
             step's forward and backward to do so; the disk writes come after), so the pipeline
             holds 2x the state (the set and the XOR base) instead of 4x.
         max_batch_bytes: a batch is committed early once its captured steps hold this much.
+        encode_threads: threads that compress the deltas alongside the background writer
+            (:attr:`ChainWriter.encode_threads`). Default: half the cores this process may
+            use, at most 8, and none besides the writer's own on 3 cores or fewer, where
+            they would compete with training.
         stage_during_backward: ``lowdiff+`` copies each gradient to host memory as soon as
             backward has accumulated it, overlapping the copy with the rest of backward.
             Default: only on CUDA; on a CPU nothing runs alongside, so the copy is made
@@ -244,6 +248,7 @@ class Checkpointer:
         max_bytes: int | None = None,
         queue_depth: int | None = None,
         max_batch_bytes: int = 1 << 30,
+        encode_threads: int | None = None,
         stage_during_backward: bool | None = None,
         step: int | None = None,
         truncate: bool = False,
@@ -265,6 +270,9 @@ class Checkpointer:
             queue_depth = DEFAULT_QUEUE_DEPTH[mode]
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 0:
             raise UsageError(f"queue_depth must be an integer >= 0, not {queue_depth!r}")
+        if encode_threads is not None and (isinstance(encode_threads, bool) or not isinstance(encode_threads, int)
+                                           or encode_threads < 1):
+            raise UsageError(f"encode_threads must be a count >= 1, not {encode_threads!r}")
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
@@ -361,6 +369,7 @@ class Checkpointer:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         device = params[0].device if params else torch.device("cpu")
         self._cuda = device.type == "cuda"
+        self._device_type = device.type
         self.stager = Stager(device)
         self.pool = BufferPool(queue_depth + 1, pin=self._cuda)
         self._pending: _Pending | None = None
@@ -395,6 +404,8 @@ class Checkpointer:
             raise
         self.writer = writer
         self.writer.max_batch_bytes = max_batch_bytes  # bounds memory whether batch_steps is stated or auto
+        if encode_threads is not None:
+            self.writer.encode_threads = encode_threads
         self.writer.max_bytes = max_bytes
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
@@ -527,8 +538,7 @@ class Checkpointer:
         if self._pending is not None:  # the previous step was never finalized by a wrapper
             self._finalize()
         buffers, waited = self.pool.acquire()
-        self.stats.backpressure_s += waited
-        self.stats.stall_s += waited
+        self.stats.backpressure_s += waited  # part of the stall its caller times
         self._pending = _Pending(step=self._step + 1, buffers=buffers, stepped=True)
         self._staged_versions = {}
         return buffers
@@ -657,7 +667,11 @@ class Checkpointer:
         self._state_keys = state_keys
         anchor = anchor or live_anchor
         anchor_tensors, structure = None, pending.optimizer
-        if anchor and (self.mode == "lowdiff" or live_anchor):
+        # lowdiff+ anchors are the CPU replica's state, which equals the live state only when
+        # training steps the optimizer on the CPU too (spec §11.8): on another device an
+        # anchor is a snapshot of the live state, which re-seeds the replica.
+        replica_exact = self._device_type == "cpu"
+        if anchor and (self.mode == "lowdiff" or live_anchor or (self.mode == "lowdiff+" and not replica_exact)):
             anchor_tensors, structure = self.writer.snapshot_anchor()
             if pending.peer_residuals is not None:
                 anchor_tensors.update(pending.peer_residuals)
