@@ -99,12 +99,17 @@ def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: np.dty
 
 
 def default_encode_threads() -> int:
-    """Threads a writer compresses with by default: half the cores this process may use, at
-    most 8 (training keeps the others), and 1, the writer's own thread, on 3 cores or fewer."""
+    """Threads a writer compresses with by default: half of this process's share of the cores,
+    at most 8 (training keeps the others), and 1, the writer's own thread, when that share is 3
+    cores or fewer. The share is the cores it may use divided by ``LOCAL_WORLD_SIZE`` (set by
+    torchrun: the processes of one job on this machine)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not on every platform
         cores = os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) > 1:
+        cores //= int(local)
     return max(1, min(8, cores // 2)) if cores > 3 else 1
 
 

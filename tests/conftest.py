@@ -16,3 +16,16 @@ def one_torch_thread():  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def close_leftover_checkpointers():  # type: ignore[no-untyped-def]
+    """A failed test must not leave hooks, writer threads or locks behind for the next."""
+    from ldformat.capture.hooks import open_at_exit
+
+    yield
+    for ck in list(open_at_exit):
+        try:
+            ck.close()
+        except Exception:
+            pass

@@ -43,7 +43,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ldformat
 from ldformat import ChainReader, LdformatError, ResumableSampler
-from ldformat.capture.hooks import open_at_exit as _open_checkpointers
 from ldformat.state import bits_view
 from ldformat.stores import LocalStore
 
@@ -72,14 +71,8 @@ def _no_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _close_leftover_checkpointers() -> Iterator[None]:
-    """A failed test must not leave hooks, writer threads or locks behind for the next."""
-    yield
-    for ck in list(_open_checkpointers):
-        try:
-            ck.close()
-        except Exception:
-            pass
+def _close_leftover_checkpointers(close_leftover_checkpointers: None) -> None:
+    """tests/conftest.py: a failed test leaves no hooks, writer threads or locks behind."""
 
 
 class Trainer:
@@ -940,3 +933,13 @@ def test_torch_compile_model_has_no_prefix(tmp_path: Path) -> None:
     assert ldformat.resume(tmp_path / "chain", fresh, fresh_opt) == 3
     for name, t in inner.state_dict().items():
         assert torch.equal(bits_view(t), bits_view(fresh.state_dict()[f"_orig_mod.{name}"])), name
+
+
+def test_per_rank_statistics_note_only_when_buffers_are_not_broadcast() -> None:
+    from ldformat.capture.runtime import per_rank_statistics_note
+
+    assert per_rank_statistics_note(None, ["norm"]) is None  # not DDP
+    assert per_rank_statistics_note(True, ["norm"]) is None  # rank 0's reach every rank each forward
+    assert per_rank_statistics_note(False, []) is None  # no running statistics
+    note = per_rank_statistics_note(False, ["norm", "block.bn"])
+    assert note is not None and "norm, block.bn" in note and "SyncBatchNorm" in note

@@ -18,7 +18,6 @@ environment warning and the refusal of a device torch cannot use.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,6 @@ from torch import nn
 
 import ldformat
 from ldformat import ChainReader, ReplayEnvironmentWarning
-from ldformat.capture.hooks import open_at_exit
 from ldformat.environment import differences
 from ldtools.cli import cli
 
@@ -42,13 +40,8 @@ STEPS = 11
 
 
 @pytest.fixture(autouse=True)
-def _close_leftover_checkpointers() -> Iterator[None]:
-    yield
-    for ck in list(open_at_exit):
-        try:
-            ck.close()
-        except Exception:
-            pass
+def _close_leftover_checkpointers(close_leftover_checkpointers: None) -> None:
+    """tests/conftest.py: a failed test leaves no hooks, writer threads or locks behind."""
 
 
 def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:

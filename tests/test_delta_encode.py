@@ -173,9 +173,14 @@ def test_many_chunks_in_flight_on_a_pool_keep_their_order() -> None:
 
 
 def test_default_encode_threads_leave_cores_to_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for cores, threads in [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (64, 8)]:
         monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)), raising=False)
         assert default_encode_threads() == threads, cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    for local, threads in [("4", 2), ("8", 1), ("1", 8), ("", 8), ("x", 8)]:  # 16 cores shared by a job's ranks
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert default_encode_threads() == threads, local
     assert encode_pool(1) is None
     assert encode_pool(2) is encode_pool(2)
 

@@ -25,7 +25,6 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +35,6 @@ from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 import ldformat
 import ldformat.capture.mirror as mirror_mod
 from ldformat import ChainReader
-from ldformat.capture.hooks import open_at_exit
 from ldformat.stores import OPS, FaultyStore, LocalStore, MemoryStore
 
 if TYPE_CHECKING:  # s3server is loaded as a plugin (below), not imported before it
@@ -48,16 +46,10 @@ LOGGER = "ldformat.capture"
 
 
 @pytest.fixture(autouse=True)
-def _fast(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _fast(monkeypatch: pytest.MonkeyPatch, close_leftover_checkpointers: None) -> None:
     monkeypatch.setattr(LocalStore, "_fsync_fd", lambda self, fd: None)
     monkeypatch.setattr(mirror_mod, "FIRST_RETRY_S", 0.05)
     monkeypatch.setattr(mirror_mod, "MAX_RETRY_S", 0.2)
-    yield
-    for ck in list(open_at_exit):
-        try:
-            ck.close()
-        except Exception:
-            pass
 
 
 def training(seed: int = 0) -> tuple[TinyNet, torch.optim.Optimizer]:

@@ -109,6 +109,18 @@ class _Pending:
     peer_residuals: dict[str, torch.Tensor] | None = None  # 'lowdiff' anchors: the other ranks' residuals
 
 
+def per_rank_statistics_note(broadcast_buffers: bool | None, statistics: list[str]) -> str | None:
+    """What a data-parallel chain does not hold: the chain records rank 0's buffers only, so
+    with DDP's ``broadcast_buffers=False`` every other rank's own BatchNorm running statistics
+    (which its evaluation uses) are not recorded, and ``resume`` gives every rank rank 0's.
+    (With broadcasting, each forward starts from rank 0's anyway.)"""
+    if broadcast_buffers is not False or not statistics:
+        return None
+    return (f"DDP with broadcast_buffers=False: {', '.join(statistics[:3])} keep running statistics per rank, and "
+            "the chain records rank 0's only (resume restores rank 0's on every rank); use SyncBatchNorm or "
+            "broadcast_buffers=True to keep them equal on every rank")
+
+
 class Checkpointer:
     """Checkpoint every optimizer step into an ldformat chain, off the training thread.
 
@@ -273,6 +285,7 @@ class Checkpointer:
         if encode_threads is not None and (isinstance(encode_threads, bool) or not isinstance(encode_threads, int)
                                            or encode_threads < 1):
             raise UsageError(f"encode_threads must be a count >= 1, not {encode_threads!r}")
+        broadcast_buffers = getattr(model, "broadcast_buffers", None)  # DDP's; None for another wrapper
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
@@ -336,6 +349,10 @@ class Checkpointer:
         self._passive = data_parallel and torch.distributed.get_rank(process_group) != 0
         self._peer: ExtrasPeer | None = None
         self._rank_extras: RankExtras | None = None
+        if data_parallel and not self._passive:
+            note = per_rank_statistics_note(broadcast_buffers, unsynchronized_statistics(model))
+            if note:
+                log.warning("%s: %s", self.path, note)
         if data_parallel and mode in ("xor", "lowdiff+"):
             self.world_size = 1  # every rank's state is rank 0's: no per-rank residuals
         if self.world_size > 1 and (anchor_every == "auto" or compressor is None):
