@@ -49,7 +49,7 @@ CHUNK_BYTES = 8 << 20
 class BloscOptions(TypedDict, total=False):
     """Keyword arguments of zarr's ``BloscCodec`` besides ``typesize``."""
 
-    cname: Literal["zstd"]
+    cname: Literal["zstd", "lz4"]
     clevel: int
     shuffle: Literal["noshuffle", "shuffle", "bitshuffle"]
     blocksize: int
@@ -62,6 +62,12 @@ INDEX_CODECS: BloscOptions = {"cname": "zstd", "clevel": 3, "shuffle": "bitshuff
 # core-s (benchmarks/, "Value codec variants").
 VALUE_CODECS: BloscOptions = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1 << 20}
 COUNT_CODECS: BloscOptions = {"cname": "zstd", "clevel": 3, "shuffle": "shuffle"}
+# Batches of Adam-predicted state.xor rows (format 1.6), mostly small integers after the
+# zigzag: on a 29.5M AdamW step lz4 stores 0.297 of the raw bytes against zstd's 0.270 at half
+# the CPU (0.126 against 0.239 core-s to encode, 0.073 against 0.119 to decode); on plain
+# differences (no prediction) it would store 13% more than zstd, which they keep
+# (docs/implementation-notes.md "Codec ratios").
+DIFFERENCE_VALUE_CODECS: BloscOptions = {"cname": "lz4", "clevel": 5, "shuffle": "shuffle", "blocksize": 1 << 20}
 
 Segment = tuple[np.ndarray | None, np.ndarray]  # (sorted int64 indices or None, raw bits)
 
@@ -257,12 +263,14 @@ class BatchEncoder:
     (segment order). :meth:`finish` returns the objects of the group.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor | None = None) -> None:
-        """``pool``: threads that compress value chunks (see :class:`ArrayEncoder`)."""
+    def __init__(self, pool: ThreadPoolExecutor | None = None, values: BloscOptions = VALUE_CODECS) -> None:
+        """``pool``: threads that compress value chunks (see :class:`ArrayEncoder`); ``values``:
+        the blosc settings of the ``values_uW`` arrays."""
         self.counts: list[dict[int, int]] = []  # per row: slot -> elements stored
         self._indices: ArrayEncoder | None = None  # exists iff a sparse segment was added
         self._values: dict[int, ArrayEncoder] = {}
         self._pool = pool
+        self.value_codecs = values  # may change until the first value is added
 
     @property
     def rows(self) -> int:
@@ -284,7 +292,7 @@ class BatchEncoder:
         width = values.dtype.itemsize
         encoder = self._values.get(width)
         if encoder is None:
-            encoder = self._values[width] = ArrayEncoder(width, VALUE_CODECS, self._pool)
+            encoder = self._values[width] = ArrayEncoder(width, self.value_codecs, self._pool)
         encoder.append(values)
 
     def finish(self, n_slots: int, attributes: JSONObject) -> dict[str, bytes]:

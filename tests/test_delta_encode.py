@@ -47,7 +47,7 @@ def _reference_create(store: MemoryStore, name: str, data: np.ndarray, codec: di
 
 
 def reference_encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]],
-                           attributes: dict[str, Any]) -> dict[str, bytes]:
+                           attributes: dict[str, Any], values: Any = None) -> dict[str, bytes]:
     counts = np.full((len(rows), len(slots)), -1, dtype=np.int64)
     index_parts: list[np.ndarray] = []
     value_parts: dict[int, list[np.ndarray]] = {}
@@ -70,7 +70,8 @@ def reference_encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]]
     for width, parts in sorted(value_parts.items()):
         data = np.concatenate(parts) if len(parts) > 1 else parts[0]
         if data.shape[0]:
-            _reference_create(store, f"values_u{width * 8}", data, delta.VALUE_CODECS)
+            _reference_create(store, f"values_u{width * 8}", data,
+                              delta.VALUE_CODECS if values is None else values)
     return {key: buf.to_bytes() for key, buf in store._store_dict.items()}
 
 
@@ -135,14 +136,22 @@ WIDTH_TORCH_BY_NAME = {dtype_name(t): t for t in WIDTH_TORCH.values()}
 
 
 @settings(max_examples=150, deadline=None)
-@given(batches(), st.sampled_from([8, 24, 40, 64, 256, 8 << 20]), st.sampled_from([1, 2, 3]))
-def test_streaming_encoder_matches_reference(batch: Any, chunk: int, threads: int) -> None:
-    """Inline, and with chunks compressed on 2 or 3 threads: the same bytes as zarr's."""
+@given(batches(), st.sampled_from([8, 24, 40, 64, 256, 8 << 20]), st.sampled_from([1, 2, 3]),
+       st.sampled_from(["zstd", "lz4"]))
+def test_streaming_encoder_matches_reference(batch: Any, chunk: int, threads: int, values: str) -> None:
+    """Inline, and with chunks compressed on 2 or 3 threads; zstd values (gradients) and lz4
+    values (differences): the same bytes as zarr's."""
     slots, rows = batch
     attributes = {"kind": "test", "first": 1, "last": len(rows)}
+    codecs = delta.VALUE_CODECS if values == "zstd" else delta.DIFFERENCE_VALUE_CODECS
     with chunk_bytes(chunk):
-        want = reference_encode_batch(slots, rows, attributes)
-        got = encode_batch(slots, rows, attributes, encode_pool(threads))
+        want = reference_encode_batch(slots, rows, attributes, codecs)
+        encoder = BatchEncoder(encode_pool(threads), codecs)
+        for row in rows:
+            encoder.start_row()
+            for j in sorted(row):
+                encoder.add(j, row[j][1], row[j][0])
+        got = encoder.finish(len(slots), attributes)
     assert_same_objects(got, want)
     decoded = decode_batch(got, tuple(slots), len(rows), "batch")
     for r, row in enumerate(rows):

@@ -177,6 +177,11 @@ def test_chains_of_both_versions_replay_every_step_exactly(tmp_path: Path, versi
     for step, ref in refs.items():
         assert_state_bits_equal(reader.materialize(step), ref, f"{version} step {step}")
     assert ldformat.validate(path, deep=True).ok
+    # Batches of predicted rows compress their values with lz4, every other batch with zstd.
+    for entry in reader.state.delta_entries():
+        meta = json.loads(reader.store.read(f"{entry.path}/values_u32/zarr.json"))
+        blosc = next(c for c in meta["codecs"] if c["name"] == "blosc")
+        assert blosc["configuration"]["cname"] == ("lz4" if predicted else "zstd"), entry.path
     # ldtools info says which encodings the batches hold, so a user sees whether prediction applies
     out = CliRunner().invoke(cli, ["info", str(path), "--json"])
     assert out.exit_code == 0, out.output
