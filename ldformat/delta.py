@@ -35,7 +35,7 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.core.buffer import default_buffer_prototype
 from zarr.storage import MemoryStore
 
-from .errors import CorruptChainError
+from .errors import CorruptChainError, UsageError
 from .jsonvalue import JSON, MAX_ZARR_JSON_BYTES, JSONObject, parse_json
 from .manifest import Encoding, SlotInfo
 from .predict import COEFFICIENTS as PREDICT_COEFFICIENTS
@@ -117,6 +117,13 @@ def default_encode_threads() -> int:
     if local.isdigit() and int(local) > 1:
         cores //= int(local)
     return max(1, min(8, cores // 2)) if cores > 3 else 1
+
+
+def check_encode_threads(threads: object) -> int:
+    """``threads`` if it is a count of encode threads (an int >= 1), else UsageError."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise UsageError(f"encode_threads must be a count >= 1, not {threads!r}")
+    return threads
 
 
 _encode_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}

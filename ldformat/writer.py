@@ -44,6 +44,7 @@ from .delta import (
     MAX_COUNTS,
     PREDICTED,
     BatchEncoder,
+    check_encode_threads,
     default_encode_threads,
     encode_pool,
     tensor_bits,
@@ -744,9 +745,7 @@ class ChainWriter:
 
     @encode_threads.setter
     def encode_threads(self, threads: int) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise UsageError(f"encode_threads must be a count >= 1, got {threads!r}")
-        self._encode_threads = threads
+        self._encode_threads = check_encode_threads(threads)
         if self._batch.rows == 0:
             self._batch = self._new_batch()
 

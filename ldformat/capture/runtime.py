@@ -42,6 +42,7 @@ from ..captured import (
     live_buffers,
     nested_step,
 )
+from ..delta import check_encode_threads
 from ..errors import LdformatError, UsageError
 from ..manifest import Kind
 from ..reader import ChainReader
@@ -282,9 +283,8 @@ class Checkpointer:
             queue_depth = DEFAULT_QUEUE_DEPTH[mode]
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 0:
             raise UsageError(f"queue_depth must be an integer >= 0, not {queue_depth!r}")
-        if encode_threads is not None and (isinstance(encode_threads, bool) or not isinstance(encode_threads, int)
-                                           or encode_threads < 1):
-            raise UsageError(f"encode_threads must be a count >= 1, not {encode_threads!r}")
+        if encode_threads is not None:
+            check_encode_threads(encode_threads)  # before anything is written
         broadcast_buffers = getattr(model, "broadcast_buffers", None)  # DDP's; None for another wrapper
         model = unwrap_model(model)
         optimizer = unwrap_optimizer(optimizer)
