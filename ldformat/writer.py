@@ -820,6 +820,17 @@ class ChainWriter:
                  range(self._superseded_from, previous_start))
         self._superseded_from = max(self._superseded_from, previous_start)
 
+    def keep_budget(self) -> None:
+        """Run live retention now (spec §17), after committing what is pending.
+
+        A rank chain of a sharded chain keeps everything from the newest anchor at or below the
+        newest global commit; when that commit lags the rank's own commits, a pass after it has
+        caught up drops what the earlier passes had to keep.
+        """
+        self.commit()
+        if self.max_bytes is not None and self._lock is not None and self._state.referenced_bytes() > self.max_bytes:
+            self._keep_budget(self._lock, self.max_bytes)
+
     def _keep_budget(self, lock: WriterLock, max_bytes: int) -> None:
         """Live retention (spec §17): drop every step before the newest anchor, as
         ``compact(keep_last=...)`` would, so that the chain keeps within ``max_bytes``.

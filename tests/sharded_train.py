@@ -220,6 +220,12 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool
         load_into(model, optimizer, spec["dcp"])
         step = int(spec.get("load_step", 0))
     ck = None
+    if spec.get("lagging_commits") and rank == 0:
+        from ldformat.capture.sharded import Committer
+
+        # No global commit while training: only close() commits, after every rank's last commit,
+        # as when rank 0's commits fall far behind.
+        Committer._run = lambda self: None  # type: ignore[method-assign]
     if spec.get("mode") and checkpoint:
         ck = ldformat.Checkpointer(out / spec["chain"], model, optimizer, mode=spec["mode"],
                                    anchor_every=4, batch_steps=2, max_bytes=spec.get("max_bytes"))

@@ -92,8 +92,11 @@ W2_CHAINS = [
     chain_run("fsdpmp-xor", "fsdp-mp", "xor", "adamw"),  # MixedPrecisionPolicy(bf16 params, fp32 reduce)
     chain_run("fsdpmp-lowdiffp", "fsdp-mp", "lowdiff+", "adamw"),
 ]
-#: A chain with a disk budget (live retention per rank chain), checked on its own.
-BUDGET_RUN = {**chain_run("fsdp-budget", "fsdp", "xor", "adamw", snapshots=True), "max_bytes": 2 * 24_000}
+#: A chain with a disk budget (live retention per rank chain), checked on its own. Rank 0 makes no
+#: global commit before close, so every rank's last commits come before the one that lets it drop
+#: history: the last retention pass must wait for it.
+BUDGET_RUN = {**chain_run("fsdp-budget", "fsdp", "xor", "adamw", snapshots=True), "max_bytes": 2 * 24_000,
+              "lagging_commits": True}
 W4_CHAINS = [
     chain_run("fsdp4-xor", "fsdp", "xor", "adam"),
     chain_run("2d-xor", "2d", "xor", "sgd"),

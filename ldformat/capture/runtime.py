@@ -795,24 +795,43 @@ class Checkpointer:
                 self._committer.finish(None, 0.0)
             self._raise_if_failed()
         try:
-            step = self.writer.close()
+            step = self.writer.commit()
+            if self._committer is not None:  # every rank's last step, committed for all (spec §20.3)
+                step = self._committer.finish(step, self.commit_timeout)
+            if self.sharded and self.writer.max_bytes is not None:
+                self._retain_once_committed()
+            written = self.writer.close()
         except BaseException:
             if self._mirror is not None:
                 self._mirror.close(0.0)
             if self._committer is not None:
                 self._committer.finish(None, 0.0)
+            self.writer.abort()
             raise
-        if self._committer is not None:  # every rank's last step, committed for all (spec §20.3)
-            try:
-                step = self._committer.finish(step, self.commit_timeout)
-            except BaseException:
-                if self._mirror is not None:
-                    self._mirror.close(0.0)
-                raise
+        if self._committer is None:
+            step = written
         if self._mirror is not None:
             self._mirror.committed(step)
             self._mirror.close(self.mirror_timeout)
         return step
+
+    def _retain_once_committed(self) -> None:
+        """The last retention pass of a rank chain (spec §20.8), once the global commit holds
+        this rank's last step: the passes after this rank's own commits had to keep the history
+        that the then newest commit still needed, so without this one a rank that finished ahead
+        of rank 0's last commit would stay over its share."""
+        newest, last = self.writer.retain_at_most, self.writer.durable_step
+        if newest is None or last is None:
+            return
+        deadline = time.monotonic() + self.commit_timeout
+        while (committed := newest()) is None or committed < last:
+            if time.monotonic() >= deadline:
+                log.warning("%s: step %d was not committed for every rank within %g s, so this rank chain keeps "
+                            "the history the older commit needs, over its max_bytes share until the next run",
+                            self.writer.path, last, self.commit_timeout)
+                return
+            time.sleep(0.1)
+        self.writer.keep_budget()
 
     def __enter__(self) -> Checkpointer:
         return self
