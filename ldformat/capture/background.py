@@ -15,17 +15,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import NamedTuple
 
 from ..captured import CapturedStep
 from ..jsonvalue import encode
 from ..writer import ChainWriter
+from .ddp import EXTRAS_TIMEOUT_S
 from .replica import Replica
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import CaptureStats, Tuning
 
 log = logging.getLogger("ldformat.capture")
+#: The exchange fails by itself after EXTRAS_TIMEOUT_S; this only bounds a stuck thread.
+RANKS_TIMEOUT_S = EXTRAS_TIMEOUT_S + 30.0
 
 
 class Queued(NamedTuple):
@@ -34,6 +38,9 @@ class Queued(NamedTuple):
     captured: CapturedStep  # its extra is encoded by the background writer, from raw_extra
     raw_extra: dict[str, object]
     buffers: BufferSet  # returned to the pool once the step is encoded
+    #: Data parallel: the other ranks' RNG states and data positions (spec §19.1 ``ranks``),
+    #: from the exchange thread; waited for before the extra is encoded.
+    ranks: Future[dict[str, dict[str, object]] | None] | None = None
 
 
 class BackgroundWriter:
@@ -71,7 +78,7 @@ class BackgroundWriter:
             if item is None:
                 self.queue.task_done()
                 break
-            captured, raw_extra, buffers = item
+            captured, raw_extra, buffers, ranks = item
             started = time.perf_counter()
             released = False
 
@@ -83,6 +90,9 @@ class BackgroundWriter:
 
             try:
                 if self.error is None:
+                    theirs = ranks.result(timeout=RANKS_TIMEOUT_S) if ranks is not None else None
+                    if theirs:
+                        raw_extra = {**raw_extra, "ranks": theirs}
                     captured = replace(captured, extra=encode(raw_extra, "extra"))
                     Stager.wait(buffers)
                     commits = self.writer.commits

@@ -15,7 +15,12 @@ How the ranks are set up: docs/capture-runtime.md "Data-parallel `lowdiff`".
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
+import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -24,7 +29,7 @@ from ..captured import around_closure, nested_step
 from ..errors import LdformatError
 from ..topk import TopK
 from .extra import Stateful
-from .hooks import call_after
+from .hooks import call_after, open_at_exit
 from .rng import capture_rng
 from .tuning import positive_interval
 
@@ -128,6 +133,14 @@ def peer_residual_tensors(topk: TopK, names: list[str], group: dist.ProcessGroup
 #: are constructed (a rank that constructs none is reported after this instead of hanging),
 #: and at each step (a rank that died, or stopped stepping).
 EXTRAS_TIMEOUT_S = 300.0
+#: Steps whose exchange a rank may have handed to its exchange thread without it having run;
+#: past that the training thread waits (back-pressure). Rank 0 waits for the previous step's at
+#: every step, so with lockstep data parallelism a peer is never more than a step or two ahead.
+MAX_PENDING_EXCHANGES = 8
+
+log = logging.getLogger("ldformat.capture")
+RankStates = dict[str, dict[str, object]]
+_Mine = tuple[dict[str, object] | None, object, str | None]  # a step's RNG states, data position, digest
 
 
 class RankExtras:
@@ -211,6 +224,70 @@ class RankExtras:
                                 "a rank died while the Checkpointers were constructed") from None
 
 
+class ExchangeThread:
+    """Runs :meth:`RankExtras.exchange` for every step on a thread of its own, in step order.
+
+    The training thread only captures its state (RNG states, data position, digest) and hands
+    it over; the gather on the gloo side group, which waits for every rank, runs here, while
+    training goes on with the next step's forward and backward. Rank 0 gets a future of the
+    other ranks' states, which its background writer resolves before it writes the step.
+    """
+
+    def __init__(self, extras: RankExtras, max_pending: int = MAX_PENDING_EXCHANGES) -> None:
+        self.extras = extras
+        self.error: BaseException | None = None
+        self._queue: queue.Queue[tuple[Future[RankStates | None], _Mine] | None] = queue.Queue(max_pending)
+        self._thread = threading.Thread(target=self._run, name="ldformat-rank-extras", daemon=True)
+        self._thread.start()
+
+    def submit(self, rng: dict[str, object] | None, data: object,
+               digest: str | None = None) -> Future[RankStates | None]:
+        """Queue this step's exchange (waits while :data:`MAX_PENDING_EXCHANGES` are queued).
+
+        Raises the error of an earlier exchange, which stops every later one."""
+        self.raise_if_failed()
+        done: Future[RankStates | None] = Future()
+        self._queue.put((done, (rng, data, digest)))
+        return done
+
+    def settle(self) -> None:
+        """Wait until every queued exchange has run; raise the error of one that failed."""
+        self._queue.join()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                done, (rng, data, digest) = item
+                if self.error is not None:
+                    done.set_exception(self.error)
+                    continue
+                try:
+                    done.set_result(self.extras.exchange(rng, data, digest))
+                except BaseException as e:  # noqa: BLE001 (handed to the training thread)
+                    self.error = e
+                    done.set_exception(e)
+            finally:
+                self._queue.task_done()
+
+    def close(self, timeout: float) -> bool:
+        """Let the queued exchanges run, at most ``timeout`` seconds; True when they all did."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(None, timeout=max(timeout, 0.001))
+        except queue.Full:
+            return False
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        return not self._thread.is_alive()
+
+
 class ExtrasPeer:
     """A rank whose state rank 0's chain records: it counts steps as the Checkpointer does (one
     per ``optimizer.step()``, or, given the GradScaler, one per ``scaler.update()``, skipped
@@ -230,6 +307,10 @@ class ExtrasPeer:
         self.data = data
         self._digest = digest
         self.extras = extras
+        self.exchanges = ExchangeThread(extras)
+        self.path = f"data-parallel rank {extras.rank}"  # for open_at_exit's messages
+        self._closed = False
+        open_at_exit.add(self)  # a rank that exits without close() still hands over its last step
         self.step = start
         self._compress = compress
         self._pre_handle = optimizer.register_step_pre_hook(self._pre_hook) if compress is not None else None
@@ -263,18 +344,32 @@ class ExtrasPeer:
         self.exchange()
 
     def exchange(self) -> None:
-        self.extras.exchange(capture_rng(), self._data_state(), None if self._digest is None else self._digest())
+        """Hand this step's state to the exchange thread (the gather with rank 0 runs there)."""
+        self.exchanges.submit(capture_rng(), self._data_state(), None if self._digest is None else self._digest())
 
     def _data_state(self) -> object:
         return self.data.state_dict() if self.data is not None else None
 
     def close(self) -> None:
+        """Remove the hooks and let the queued exchanges run (at most :data:`EXTRAS_TIMEOUT_S`).
+
+        Raises:
+            LdformatError: an exchange failed (rank 0 stopped, or a rank died), or did not end.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        open_at_exit.discard(self)
         self._handle.remove()
         if self._pre_handle is not None:
             self._pre_handle.remove()
         if self._unwrap is not None:
             self._unwrap()
             self._unwrap = None
+        if not self.exchanges.close(EXTRAS_TIMEOUT_S):
+            raise LdformatError(f"data-parallel rank {self.extras.rank}: rank 0 did not take this rank's last "
+                                f"RNG states and data position within {EXTRAS_TIMEOUT_S:g} s")
+        self.exchanges.raise_if_failed()
 
 
 class ResidualPeer(ExtrasPeer):

@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -53,7 +54,16 @@ from ..stores import Store
 from ..topk import TopK
 from ..writer import ChainWriter, build_schema
 from .background import BackgroundWriter, Queued
-from .ddp import ExtrasPeer, RankExtras, ResidualPeer, peer_residual_tensors, world_size
+from .ddp import (
+    EXTRAS_TIMEOUT_S,
+    ExchangeThread,
+    ExtrasPeer,
+    RankExtras,
+    RankStates,
+    ResidualPeer,
+    peer_residual_tensors,
+    world_size,
+)
 from .extra import Stateful, loop_extra
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
@@ -106,7 +116,7 @@ class _Pending:
     post_done: bool = False
     pre_end: float = 0.0
     # Data parallel, exchanged when the step ends (before any collective of the next step):
-    ranks: dict[str, dict[str, object]] | None = None  # the other ranks' RNG states and data positions
+    ranks: Future[RankStates | None] | None = None  # the other ranks' RNG states and data positions
     peer_residuals: dict[str, torch.Tensor] | None = None  # 'lowdiff' anchors: the other ranks' residuals
 
 
@@ -349,6 +359,7 @@ class Checkpointer:
         self._passive = data_parallel and torch.distributed.get_rank(process_group) != 0
         self._peer: ExtrasPeer | None = None
         self._rank_extras: RankExtras | None = None
+        self._exchanges: ExchangeThread | None = None  # rank 0's per-step exchanges with them
         if data_parallel and not self._passive:
             note = per_rank_statistics_note(broadcast_buffers, unsynchronized_statistics(model))
             if note:
@@ -430,6 +441,8 @@ class Checkpointer:
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
         if data_parallel and self._rank_extras is not None:
             self._rank_extras.announce_start(self._step, anchor_every if isinstance(anchor_every, int) else None)
+        if self._rank_extras is not None:  # after the last collective of the opening on its group
+            self._exchanges = ExchangeThread(self._rank_extras)
         schema = self.writer.root.schema
         self._param_names: list[str] = schema["optimizer"]["params"]
         self._buffer_names = [e["name"] for e in schema["model"] if e["role"] == "buffer" and e["alias_of"] is None]
@@ -566,6 +579,10 @@ class Checkpointer:
             return None  # super().step() inside a subclass's step: the outer call is the step
         started = time.perf_counter()
         self._raise_if_failed()
+        if self._exchanges is not None:
+            # The previous step's exchange ran during this step's forward and backward: a failed
+            # one (a rank died, a copy rank drifted) stops this step before it changes the state.
+            self._exchanges.settle()
         if self._last_pre is not None:
             self.stats.step_times.append(started - self._last_pre)
         self._last_pre = started
@@ -624,8 +641,8 @@ class Checkpointer:
         if self.world_size > 1 and self.compressor is not None and (
                 pending.step - self._last_anchor >= self.anchor_every):
             pending.peer_residuals = peer_residual_tensors(self.compressor, self._param_names, self.process_group)
-        if self._rank_extras is not None:
-            pending.ranks = self._rank_extras.exchange(pending.rng, pending.data, self._digest())
+        if self._exchanges is not None:  # the gather runs on its thread; the writer waits for it
+            pending.ranks = self._exchanges.submit(pending.rng, pending.data, self._digest())
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if nested_step(optimizer):
@@ -706,8 +723,8 @@ class Checkpointer:
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
         self.stager.mark(pending.buffers)
-        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, pending.ranks),
-                                    pending.buffers))
+        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data), pending.buffers,
+                                    pending.ranks))
         self._step = step
         if anchor:
             self._last_anchor = step
@@ -787,6 +804,8 @@ class Checkpointer:
             self._background.stop()
             self._hooks.remove()
             open_at_exit.discard(self)
+            if self._exchanges is not None:  # every queued step's exchange ran for the writer
+                self._exchanges.close(0.0 if self._background.error is not None else EXTRAS_TIMEOUT_S)
         if self._background.error is not None:
             self.writer.abort()
             if self._mirror is not None:
