@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -188,6 +188,23 @@ def predicted_param(name: str, encoding: str, params: Sequence[str]) -> int:
         if p == key:
             return i
     raise CorruptChainError(f"slot {name} has encoding 'adam.w' but is not an optimizer parameter (spec §11.3)")
+
+
+def by_parameter(names: Iterable[str], params: Sequence[str]) -> list[list[str]]:
+    """``names`` grouped by the optimizer parameter they belong to (``optimizer/<i>/...`` and
+    ``model/<params[i]>``), every other name alone, groups in first-seen order. A prediction
+    reads only its own parameter's tensors (spec §11.3.1), so different groups may be coded or
+    applied on different threads."""
+    param_of: dict[str, int] = {}
+    for i, p in enumerate(params):
+        param_of.setdefault(f"model/{p}", i)  # the first i, as predicted_param takes
+    groups: dict[object, list[str]] = {}
+    for name in names:
+        parts = name.split("/")
+        key: object = (int(parts[1]) if parts[0] == "optimizer" and len(parts) == 3 and parts[1].isdigit()
+                       else param_of.get(name, name))
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
 
 
 def moment_names(i: int) -> tuple[str, str]:

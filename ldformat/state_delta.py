@@ -22,7 +22,15 @@ from .captured import CapturedTensor
 from .delta import PREDICTED, difference_delta
 from .jsonvalue import JSON
 from .manifest import Encoding
-from .predict import COEFFICIENTS, PREDICT, adam_coefficients, moment_names, predict_parameter, predict_second_moment
+from .predict import (
+    COEFFICIENTS,
+    PREDICT,
+    adam_coefficients,
+    by_parameter,
+    moment_names,
+    predict_parameter,
+    predict_second_moment,
+)
 
 #: Coefficients of a predicted slot whose parameter has none at this step (its optimizer state
 #: changed within a batch): the prediction is then +0.0 and the values the bits' zigzag.
@@ -147,16 +155,9 @@ def row_values(tensors: Mapping[str, CapturedTensor], encodings: Mapping[str, st
         for name in tensors:
             compute(name)
     else:
-        # Each task writes only its own names' entries of ``values`` and ``base``.
-        param_of = {f"model/{p}": i for i, p in enumerate(params)}
-        groups: dict[object, list[str]] = {}
-        for name in tensors:
-            parts = name.split("/")
-            key: object = (int(parts[1]) if parts[0] == "optimizer" and len(parts) == 3 and parts[1].isdigit()
-                           else param_of.get(name, name))
-            groups.setdefault(key, []).append(name)
-        # Largest first, so that the last task to start is a short one.
-        ordered = sorted(groups.values(), key=lambda names: -sum(tensors[n].bits.nbytes for n in names))
+        # Each task writes only its own names' entries of ``values`` and ``base``. Largest
+        # first, so that the last task to start is a short one.
+        ordered = sorted(by_parameter(tensors, params), key=lambda names: -sum(tensors[n].bits.nbytes for n in names))
 
         def code(names: list[str]) -> None:
             for name in names:

@@ -347,3 +347,15 @@ def test_adam_v_on_the_first_moment_is_refused() -> None:
     slot = SlotInfo(name="optimizer/0/exp_avg", dtype="float32", shape=(4,), encoding="adam.v")
     with pytest.raises(CorruptChainError, match="other than the first moment exp_avg"):
         check_slots((slot,), SCHEMA, "state.xor", "batch")
+
+
+def test_by_parameter_groups_a_parameters_tensors_and_leaves_the_others_alone() -> None:
+    """What the row coder parallelizes over (ldformat.predict.by_parameter): a parameter's
+    weight and optimizer tensors in one group, the first index of a repeated name."""
+    from ldformat.predict import by_parameter
+
+    names = ["model/a", "model/bn.running_mean", "optimizer/0/exp_avg", "optimizer/1/exp_avg_sq", "model/b",
+             "optimizer/0/step", "optimizer/1/exp_avg", "predict/1", "optimizer/ref/x"]
+    assert by_parameter(names, ["a", "b", "a"]) == [
+        ["model/a", "optimizer/0/exp_avg", "optimizer/0/step"], ["model/bn.running_mean"],
+        ["optimizer/1/exp_avg_sq", "model/b", "optimizer/1/exp_avg"], ["predict/1"], ["optimizer/ref/x"]]
