@@ -13,6 +13,14 @@ The runs, in order, in one process group:
 * ``forced``: a Checkpointer with ``copy_ranks=True`` on a new chain: rank 0 must stop at the
   first step (it must be the last run: the job fails there).
 
+At world 4 the mesh is ``(2, 2)``: ranks 0 and 1 shard the model, ranks 2 and 3 are their
+replicas, copy ranks of 0 and 1 when forced (``copy_ranks=True``). The runs:
+
+* ``pairs``: each copy rank sees its source's data (rank ``r`` the data of ``r % 2``), so its
+  statistics are its source's while rank 1's differ from rank 0's: the chain records them;
+* ``stray``: rank 3 sees rank 0's data instead of rank 1's, its source's: rank 0 must stop at
+  the first step (the last run).
+
 After every step (and after ``resume``) each rank records the gathered full state and its own
 buffers in ``OUTDIR/<run>.rank<R>.pt``.
 """
@@ -49,7 +57,8 @@ def build(world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
     torch.manual_seed(0)
     model = BNNet()
-    fully_shard(model, mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")))
+    shape = (2, 2) if world == 4 else (world, 1)
+    fully_shard(model, mesh=init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")))
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
 
@@ -67,10 +76,12 @@ def run(name: str, rank: int, world: int, out: Path) -> None:
         record["steps"][step] = gather(model, optimizer)
         record["buffers"][step] = own_buffers(model)
     else:
+        forced = name in ("forced", "pairs", "stray")
         ck = ldformat.Checkpointer(out / name, model, optimizer, mode="xor", anchor_every=3, batch_steps=1,
-                                   copy_ranks=True if name == "forced" else None)
+                                   copy_ranks=True if forced else None)
+        seen = {"pairs": rank % 2, "stray": 0 if rank == 3 else rank % 2}.get(name, rank)  # whose data
         for step in range(1, STEPS + 1):
-            g = torch.Generator().manual_seed(1000 * rank + step)
+            g = torch.Generator().manual_seed(1000 * seen + step)
             x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
             optimizer.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()

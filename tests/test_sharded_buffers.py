@@ -4,7 +4,9 @@ validates, materializes rank 0's (as torch's full state dict does), and a resume
 layout gives every rank its own back. Copy ranks, which would record one replica for all, are
 not made for such a model; forced, rank 0 stops at the first step with a clear error.
 
-One world-2 launch (tests/sharded_bn_job.py) runs every worker-side step, bounded in time."""
+A world-2 launch and a world-4 launch (tests/sharded_bn_job.py) run every worker-side step,
+bounded in time. At world 4 (HSDP, mesh 2 x 2) a copy rank is compared with its own source:
+rank 3 is a copy of rank 1, whose statistics differ from rank 0's."""
 
 from __future__ import annotations
 
@@ -45,13 +47,11 @@ class Job:
         return dict(torch.load(path, weights_only=True))
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
-    outdir = tmp_path_factory.mktemp("sharded-bn")
+def run_job(outdir: Path, world: int, runs: list[str]) -> Job:
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launching.free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD), str(outdir), "auto", "resume",
-                               "forced"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(outdir), *runs],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(world)]
     outputs = []
     for p in procs:
         try:
@@ -60,6 +60,16 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
             p.kill()
             outputs.append(p.communicate()[0] + "\n[killed: ran past the bound]")
     return Job(outdir, [p.returncode for p in procs], outputs)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    return run_job(tmp_path_factory.mktemp("sharded-bn"), WORLD, ["auto", "resume", "forced"])
+
+
+@pytest.fixture(scope="module")
+def hsdp(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    return run_job(tmp_path_factory.mktemp("sharded-bn-hsdp"), 4, ["pairs", "stray"])
 
 
 def test_replicas_with_their_own_statistics_get_no_copy_ranks(job: Job) -> None:
@@ -107,3 +117,34 @@ def test_forced_copy_ranks_stop_at_the_first_step(job: Job) -> None:
     assert "copy_ranks=False" in job.outputs[0], job.outputs[0]
     assert "forced step 2" not in job.outputs[0]
     assert "[killed: ran past the bound]" not in "".join(job.outputs)
+
+
+def test_a_copy_rank_is_compared_with_its_own_source(hsdp: Job) -> None:
+    """Copy ranks 2 and 3 hold their sources' (0 and 1) statistics, and rank 1's differ from
+    rank 0's: the chain records every step, exactly, and each rank chain holds its rank's own."""
+    root = json.loads((hsdp.outdir / "pairs" / "sharded.json").read_text())
+    assert root["copies"] == {"2": 0, "3": 1}
+    mine = [hsdp.record("pairs", r)["buffers"][STEPS]["bn.running_mean"] for r in range(4)]
+    assert not torch.equal(mine[0], mine[1]), "the harness should make the sources' statistics differ"
+    assert torch.equal(bits(mine[1]), bits(mine[3])) and torch.equal(bits(mine[0]), bits(mine[2]))
+    reader = ldformat.open_reader(hsdp.outdir / "pairs")
+    assert isinstance(reader, ldformat.ShardedReader) and reader.latest_step == STEPS
+    for rank in (0, 1):
+        stored = reader.ranks[rank].materialize(STEPS)["model"]
+        assert torch.equal(bits(stored["bn.running_mean"]), bits(mine[rank])), f"rank chain {rank}"
+    problems = []
+    for step in range(1, STEPS + 1):
+        want = index_layout(hsdp.record("pairs", 0)["steps"][step])
+        problems += [f"step {step}: {d}" for d in state_diffs(reader.materialize(step), want)]
+    assert not problems, problems[:20]
+    assert ldformat.validate(hsdp.outdir / "pairs").ok
+
+
+def test_a_copy_rank_that_strays_from_its_source_stops_rank_0(hsdp: Job) -> None:
+    """Rank 3 trains on rank 0's data, so its statistics equal rank 0's but not rank 1's, its
+    source's: rank 0 stops at the first step, naming both ranks and the remedy."""
+    assert hsdp.codes[0] != 0, hsdp.outputs[0]
+    assert "copy rank 3's unsharded tensors" in hsdp.outputs[0], hsdp.outputs[0]
+    assert "rank 1, its source" in hsdp.outputs[0] and "copy_ranks=False" in hsdp.outputs[0]
+    assert "stray step 2" not in hsdp.outputs[0]
+    assert "[killed: ran past the bound]" not in "".join(hsdp.outputs)

@@ -148,12 +148,16 @@ class RankExtras:
     on a gloo side group, so that rank 0 records each rank's own (spec §19.1 ``ranks``) and a
     resumed rank gets its own back (§19.5). Constructing it is a collective of the group."""
 
-    def __init__(self, group: dist.ProcessGroup | None, ranks: list[int] | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, ranks: list[int] | None = None,
+                 copies: dict[int, int] | None = None) -> None:
         """``ranks``: the ranks of ``group`` that take part, rank 0 first (default: all of them);
-        only they construct it. A sharded job's copy ranks send theirs (spec §20.2 ``copies``)."""
+        only they construct it. ``copies``: a sharded job's copy ranks and their sources (spec
+        §20.2): the copy ranks send their state, which rank chain 0 records, and their sources
+        only the digest that each copy rank's is compared with."""
         from datetime import timedelta
 
         self.ranks = ranks if ranks is not None else list(range(dist.get_world_size(group)))
+        self.copies = dict(copies or {})
         members = [int(dist.get_global_rank(group, r)) if group is not None else r for r in self.ranks]
         self.rank = dist.get_rank(group)
         self.world = len(members)
@@ -169,11 +173,12 @@ class RankExtras:
 
     def exchange(self, rng: dict[str, object] | None, data: object,
                  digest: str | None = None) -> dict[str, dict[str, object]] | None:
-        """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank.
+        """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank
+        (with copy ranks: theirs only).
 
-        ``digest``: a sharded job's copy ranks and rank 0 pass the crc of their unsharded
+        ``digest``: a sharded job's copy ranks and their sources pass the crc of their unsharded
         tensors (:func:`~ldformat.capture.sharded.buffer_digest`); rank 0 raises when a copy
-        rank's differs from its own, since the chain holds no state of the copy rank's own."""
+        rank's differs from its source's, since no rank chain holds the copy rank's own."""
         gathered: list[object] | None = [None] * self.world if self.rank == 0 else None
         mine: dict[str, object] = {"rng": rng or {}, "data": data}
         try:
@@ -185,16 +190,21 @@ class RankExtras:
         if gathered is None:
             return None
         out: dict[str, dict[str, object]] = {}
+        digests: dict[int, object] = {0: digest}
         for r, got in zip(self.ranks[1:], gathered[1:], strict=True):
             assert isinstance(got, dict)
-            theirs = got.pop("buffers", None)
-            if digest is not None and theirs is not None and theirs != digest:
+            digests[r] = got.pop("buffers", None)
+            if not self.copies or r in self.copies:  # a source's state is in its own rank chain
+                out[str(r)] = got
+        for r, source in sorted(self.copies.items()):
+            copied, held = digests.get(r), digests.get(source)
+            if copied is not None and held is not None and copied != held:
                 raise LdformatError(
                     f"copy rank {r}'s unsharded tensors (buffers such as BatchNorm statistics, or unsharded "
-                    f"parameters) differ from rank 0's: its replicas drift apart, and the chain, which records a "
-                    f"copy rank's state once for its replica group, cannot hold them (spec §20.2). Construct the "
-                    f"Checkpointer with copy_ranks=False, so that every rank writes its own rank chain")
-            out[str(r)] = got
+                    f"parameters) differ from those of rank {source}, its source: its replicas drift apart, and "
+                    f"the chain, which records a copy rank's state once for its replica group, cannot hold them "
+                    f"(spec §20.2). Construct the Checkpointer with copy_ranks=False, so that every rank writes "
+                    f"its own rank chain")
         return out
 
     def announce_start(self, step: int | None, anchor_every: int | None, error: BaseException | None = None) -> None:

@@ -233,8 +233,8 @@ class Checkpointer:
             nothing (spec §20.2). Default: yes, unless the model has BatchNorm layers with running
             statistics (not SyncBatchNorm), which FSDP2 leaves different on every rank. ``False``
             for replicas that drift apart by design (local SGD). With copy ranks, rank 0 compares
-            every copy rank's unsharded tensors with its own at every step and fails with a clear
-            error if they differ, rather than record a state the copy rank does not have.
+            every copy rank's unsharded tensors with its source's at every step and fails with a
+            clear error if they differ, rather than record a state the copy rank does not have.
 
     Sharded models (FSDP2 ``fully_shard``, tensor parallel, both): every rank constructs the
     Checkpointer with the same ``path`` (a collective) and calls :meth:`close`. Each rank
@@ -385,10 +385,13 @@ class Checkpointer:
                                       model=model, process_group=process_group, scaler=scaler, data=self.sampler)
             return
         initial_ranks = None
-        if data_parallel or (copies and (sharded.rank == 0 or sharded.is_copy)):
+        sources = set(copies.values())
+        if data_parallel or (copies and (sharded.rank == 0 or sharded.is_copy or sharded.rank in sources)):
             # Rank 0 records the RNG states and data positions of the ranks that write no chain
-            # of their own: DDP's other ranks, a sharded job's copy ranks (spec §19.1, §20.2).
-            self._rank_extras = RankExtras(process_group, [0, *sorted(copies)] if copies else None)
+            # of their own: DDP's other ranks, a sharded job's copy ranks (spec §19.1, §20.2);
+            # the copy ranks' sources take part with the digest of their unsharded tensors.
+            self._rank_extras = RankExtras(process_group, sorted({0, *copies, *sources}) if copies else None,
+                                           copies=copies)
             initial_ranks = self._rank_extras.exchange(capture_rng(), self._data_state(), self._digest())
             if self.sharded and sharded.is_copy:  # its state is its source rank's chain's: it writes nothing
                 self._peer = self._copy_rank_peer(sharded, self._rank_extras, storage_options, step)
@@ -507,8 +510,9 @@ class Checkpointer:
                           data=self.sampler, compress=compress, digest=self._digest)
 
     def _digest(self) -> str | None:
-        """With copy ranks: the crc of this rank's unsharded tensors, which rank 0 compares with
-        every copy rank's at every step (a copy rank's state must be its source's)."""
+        """With copy ranks: the crc of this rank's unsharded tensors, which rank 0 compares
+        between every copy rank and its source at every step (a copy rank's state must be its
+        source's)."""
         return buffer_digest(self.model) if self._copies else None
 
     @property

@@ -128,7 +128,8 @@ def unsynchronized_statistics(model: torch.nn.Module) -> list[str]:
 
 def buffer_digest(model: torch.nn.Module) -> str:
     """A crc32c of this rank's buffers that are not DTensors (in ``state_dict`` order): a copy rank
-    sends it with every step so that rank 0 notices replicas whose buffers drifted apart."""
+    and its source send it with every step so that rank 0 notices replicas whose buffers
+    drifted apart."""
     from ..jsonvalue import crc32c_extend
 
     crc = 0
