@@ -645,8 +645,10 @@ class Checkpointer:
         if self.world_size > 1 and self.compressor is not None and (
                 pending.step - self._last_anchor >= self.anchor_every):
             pending.peer_residuals = peer_residual_tensors(self.compressor, self._param_names, self.process_group)
-        if self._exchanges is not None:  # the gather runs on its thread; the writer waits for it
-            pending.ranks = self._exchanges.submit(pending.rng, pending.data, self._digest())
+        if self._exchanges is not None and self._rank_extras is not None:  # the gather runs on its thread
+            ranks = self._exchanges.submit(pending.rng, pending.data, self._digest())
+            if self._rank_extras.rank == 0:  # rank 0's writer waits for it and records the others'
+                pending.ranks = ranks
 
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if nested_step(optimizer):
