@@ -10,9 +10,9 @@ on rank 0, what a data-parallel step pays for it:
   loop does nothing else, so each exchange also waits for the slowest rank: an upper bound.
 * ``thread``: what the training thread pays now: ``capture_rng`` and
   :meth:`~ldformat.capture.ddp.ExchangeThread.submit` as a step ends, then, after
-  ``--compute-ms`` of torch matrix products (which release the GIL) standing for the next step's forward and backward, the
-  :meth:`~ldformat.capture.ddp.ExchangeThread.settle` that rank 0 makes at the next
-  ``optimizer.step()``.
+  ``--compute-ms`` of torch matrix products (which release the GIL) standing for the next
+  step's forward and backward, the :meth:`~ldformat.capture.ddp.ExchangeThread.settle` that
+  rank 0 makes at the next ``optimizer.step()``.
 
 Prints one line per world size.
 """
