@@ -22,7 +22,7 @@ from typing import NamedTuple
 from ..captured import CapturedStep
 from ..jsonvalue import encode
 from ..writer import ChainWriter
-from .ddp import EXTRAS_TIMEOUT_S
+from .ddp import EXTRAS_TIMEOUT_S, RankStates
 from .replica import Replica
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import CaptureStats, Tuning
@@ -40,7 +40,7 @@ class Queued(NamedTuple):
     buffers: BufferSet  # returned to the pool once the step is encoded
     #: Data parallel: the other ranks' RNG states and data positions (spec §19.1 ``ranks``),
     #: from the exchange thread; waited for before the extra is encoded.
-    ranks: Future[dict[str, dict[str, object]] | None] | None = None
+    ranks: Future[RankStates | None] | None = None
 
 
 class BackgroundWriter:

@@ -15,7 +15,6 @@ How the ranks are set up: docs/capture-runtime.md "Data-parallel `lowdiff`".
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations as objects.
 
-import logging
 import queue
 import threading
 import time
@@ -138,7 +137,6 @@ EXTRAS_TIMEOUT_S = 300.0
 #: every step, so with lockstep data parallelism a peer is never more than a step or two ahead.
 MAX_PENDING_EXCHANGES = 8
 
-log = logging.getLogger("ldformat.capture")
 RankStates = dict[str, dict[str, object]]
 _Mine = tuple[dict[str, object] | None, object, str | None]  # a step's RNG states, data position, digest
 
@@ -172,7 +170,7 @@ class RankExtras:
                 "arguments") from None
 
     def exchange(self, rng: dict[str, object] | None, data: object,
-                 digest: str | None = None) -> dict[str, dict[str, object]] | None:
+                 digest: str | None = None) -> RankStates | None:
         """Send this rank's state of the step to rank 0; on rank 0, every other rank's, by rank
         (with copy ranks: theirs only).
 
