@@ -22,10 +22,9 @@ from .delta import (
     MAX_COUNTS,
     BatchEncoder,
     Segment,
-    default_encode_threads,
+    default_encode_pool,
     difference_delta,
     encode_batch,
-    encode_pool,
     tensor_bits,
 )
 from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
@@ -395,7 +394,7 @@ def _write_merged(reader: ChainReader, merges: dict[int, tuple[int, list[int]]],
     first, last_step = entries[0].step, entries[-1].step
     group = batch_group_path(first, last_step)
     objects = encode_batch(slots, rows, {"kind": reader.kind, "first": first, "last": last_step, "merged": True},
-                           encode_pool(default_encode_threads()))
+                           default_encode_pool())
     refs = []
     for key, data in sorted(objects.items()):
         ref = _write_object(reader, f"{group}/{key}", data, written)
@@ -461,7 +460,7 @@ class _MergedBatch:
         self.slots: list[SlotInfo] = []
         self.index: dict[str, int] = {}
         self.entries: list[StepEntry] = []
-        self.encoder = BatchEncoder(encode_pool(default_encode_threads()))
+        self.encoder = BatchEncoder(default_encode_pool())
 
     @property
     def rows(self) -> int:

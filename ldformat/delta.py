@@ -126,11 +126,20 @@ def check_encode_threads(threads: object) -> int:
     return threads
 
 
-_encode_pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+class EncodePool(ThreadPoolExecutor):
+    """A pool of compression threads that says how many it has (an encoder keeps at most
+    ``threads + 1`` chunks in flight: the memory of a batch in progress stays bounded)."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(max_workers=threads, thread_name_prefix="ldformat-encode")
+        self.threads = threads
+
+
+_encode_pools: dict[tuple[int, int], EncodePool] = {}
 _encode_pools_lock = threading.Lock()
 
 
-def encode_pool(threads: int) -> ThreadPoolExecutor | None:
+def encode_pool(threads: int) -> EncodePool | None:
     """The process's pool of ``threads`` compression threads (None for 1: compress inline).
     Keyed by process id too: a forked child must not use its parent's threads, which it lacks."""
     if threads <= 1:
@@ -139,8 +148,13 @@ def encode_pool(threads: int) -> ThreadPoolExecutor | None:
     with _encode_pools_lock:
         pool = _encode_pools.get(key)
         if pool is None:
-            pool = _encode_pools[key] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ldformat-encode")
+            pool = _encode_pools[key] = EncodePool(threads)
         return pool
+
+
+def default_encode_pool() -> EncodePool | None:
+    """The process's pool of :func:`default_encode_threads` threads (None: compress inline)."""
+    return encode_pool(default_encode_threads())
 
 
 def gap_code(idx: np.ndarray) -> np.ndarray:
@@ -161,7 +175,7 @@ class ArrayEncoder:
     one chunk, compressed by :meth:`finish` once the length is known.
     """
 
-    def __init__(self, width: int, codec: BloscOptions, pool: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, width: int, codec: BloscOptions, pool: EncodePool | None = None) -> None:
         """``pool``: compress chunks on its threads (blosc releases the GIL), at most
         ``workers + 1`` at a time; the objects are the same bytes as without it."""
         self.dtype = np.dtype(WIDTH_DTYPES[width])
@@ -177,7 +191,7 @@ class ArrayEncoder:
         self._pool = pool
         self._in_flight: deque[tuple[Future[bytes], np.ndarray]] = deque()  # in chunk order
         self._spare: list[np.ndarray] = []  # chunk buffers whose compression is done
-        self._max_in_flight = (pool._max_workers + 1) if pool is not None else 0
+        self._max_in_flight = (pool.threads + 1) if pool is not None else 0
 
     def append(self, data: np.ndarray) -> None:
         """Add elements at the end; ``data`` may be reused by the caller once this returns."""
@@ -270,7 +284,7 @@ class BatchEncoder:
     (segment order). :meth:`finish` returns the objects of the group.
     """
 
-    def __init__(self, pool: ThreadPoolExecutor | None = None, values: BloscOptions = VALUE_CODECS) -> None:
+    def __init__(self, pool: EncodePool | None = None, values: BloscOptions = VALUE_CODECS) -> None:
         """``pool``: threads that compress value chunks (see :class:`ArrayEncoder`); ``values``:
         the blosc settings of the ``values_uW`` arrays."""
         self.counts: list[dict[int, int]] = []  # per row: slot -> elements stored
@@ -322,7 +336,7 @@ class BatchEncoder:
 
 
 def encode_batch(slots: list[SlotInfo], rows: list[dict[int, Segment]], attributes: JSONObject,
-                 pool: ThreadPoolExecutor | None = None) -> dict[str, bytes]:
+                 pool: EncodePool | None = None) -> dict[str, bytes]:
     """Encode rows into the objects of one Zarr group: {relative key: bytes}."""
     encoder = BatchEncoder(pool)
     for row in rows:

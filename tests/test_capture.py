@@ -423,6 +423,36 @@ def test_back_pressure_bounds_buffers_in_flight(tmp_path: Path, mode: str) -> No
     assert_chain_matches(path, refs, f"{mode} under back-pressure")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_each_step_fences_its_staging_copies_before_training_goes_on(tmp_path: Path, mode: str) -> None:
+    """When ``optimizer.step()`` returns, every copy into a host buffer made for that step is
+    behind a fence (on CUDA: the training's stream waits for the side stream's event), so no
+    kernel queued afterwards can change a tensor being copied. On the CPU the fence is a
+    no-op; this checks that the runtime places it (tests/test_cuda.py checks the effect)."""
+    model, opt, _ = make_objects()
+    ck = ldformat.Checkpointer(tmp_path / "chain", model, opt, mode=mode, anchor_every=100, batch_steps=2,
+                               topk_ratio=0.2, queue_depth=2)
+    events: list[str] = []
+    copy, mark, fence = ck.stager.copy, ck.stager.mark, ck.stager.fence
+
+    def recording(name: str, fn: Any) -> Any:
+        def call(*args: Any) -> Any:
+            events.append(name)
+            return fn(*args)
+        return call
+
+    ck.stager.copy = recording("copy", copy)  # type: ignore[method-assign]
+    ck.stager.mark = recording("mark", mark)  # type: ignore[method-assign]
+    ck.stager.fence = recording("fence", fence)  # type: ignore[method-assign]
+    for step in range(1, 6):
+        del events[:]
+        plain_step(model, opt, step)
+        assert "copy" in events, (step, events)
+        last_copy = max(i for i, e in enumerate(events) if e == "copy")
+        assert events[last_copy + 1:][:2] == ["mark", "fence"], (step, events)
+    ck.close()
+
+
 class RecordingStore(LocalStore):
     """Notes every object write, in order with the pool's releases (``events``)."""
 

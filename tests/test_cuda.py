@@ -144,7 +144,44 @@ def test_staging_buffers_are_pinned(tmp_path: Path) -> None:
     assert pinned and all(pinned)
 
 
-# -- 2. GradScaler ------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("mode", ["lowdiff+", "xor"])
+def test_in_place_changes_right_after_a_step_wait_for_its_staging_copies(tmp_path: Path, mode: str) -> None:
+    """The side-stream copies of a step finish before any later kernel changes what they read.
+
+    Several buffer sets in flight (``queue_depth=2``) and a state large enough that its copy
+    outlasts the kernels queued right after the step: for ``xor``, the user halves every
+    parameter in place right after ``opt.step()`` (the chain records the state the step left,
+    the halving lands in the next step's); for ``lowdiff+``, ``zero_grad(set_to_none=False)``
+    zeroes the gradients in place. Unfenced copies would read some tensors after the change.
+    """
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.BatchNorm1d(2048), nn.ReLU(), nn.Linear(2048, 2048)).cuda()
+    opt = make_optimizer("adam", model.parameters())
+    path = tmp_path / f"chain-{mode}"
+    ck = ldformat.Checkpointer(path, model, opt, mode=mode, anchor_every=100, batch_steps=2, queue_depth=2)
+    refs = {0: live(model, opt)}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(1, 7):
+        opt.zero_grad(set_to_none=False)
+        x = torch.randn(256, 2048, device="cuda", generator=gen)
+        model(x).square().mean().backward()
+        opt.step()
+        if mode == "xor":
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        refs[step] = live(model, opt)
+        if mode == "xor":  # the recorded state is the one the step left, before the halving
+            refs[step]["model"] = {k: (v * 2 if k in dict(model.named_parameters()) else v)
+                                   for k, v in refs[step]["model"].items()}
+    ck.close()
+    if mode == "xor":  # halving and doubling are exact in binary floating point
+        assert_materializes(path, refs, mode, None)
+    else:  # gradient replay does not see the user's edits: there are none in this run
+        assert_materializes(path, refs, mode, "cuda")
+
+
 @needs_cuda
 @pytest.mark.parametrize("optimizer", ["adam", "adamw-fused"])
 @pytest.mark.parametrize("mode", MODES)

@@ -239,3 +239,34 @@ def test_a_stray_directory_of_a_copy_rank_is_ignored(hsdp: Path) -> None:
     shutil.copytree(GOLDEN / "1.3" / "sharded.state.xor" / "chain" / "ranks" / "00001", hsdp / "ranks" / "00001")
     assert ldformat.validate(hsdp, deep=True).ok
     assert list(ldformat.open_reader(hsdp).materialize()["model"])
+
+
+def test_an_unreadable_commit_record_is_warned_about_once_while_a_rank_polls_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A rank's last retention pass polls the newest commit record (every 0.1 s, up to
+    ``commit_timeout``): a store that keeps failing gives one warning per distinct error, not
+    one per poll, and a success in between makes the next failure warn again."""
+    from ldformat.capture import sharded as capture_sharded
+
+    failure: list[BaseException | None] = [OSError("disk gone")]
+
+    def flaky(store: Any, path: str) -> Any:
+        if failure[0] is not None:
+            raise failure[0]
+        return None
+
+    monkeypatch.setattr(capture_sharded, "newest_commit", flaky)
+    newest = capture_sharded.newest_committed(str(tmp_path / "chain"), None)
+    with caplog.at_level("DEBUG", logger="ldformat.capture"):
+        assert [newest() for _ in range(50)] == [None] * 50
+        failure[0] = OSError("permission denied")
+        newest()
+        newest()
+        failure[0] = None
+        assert newest() is None
+        failure[0] = OSError("permission denied")
+        newest()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 3, warnings
+    assert "disk gone" in warnings[0] and "permission denied" in warnings[1] and "permission denied" in warnings[2]
+    assert sum(r.levelname == "DEBUG" for r in caplog.records) == 50

@@ -635,6 +635,10 @@ class Checkpointer:
         else:
             live = live_buffers(self.model, self._buffer_names)
         pending.tensors.update(capture_tensors(live, self._stage_copy(pending.buffers)))
+        # Nothing the training queues from here on may change a tensor before its copy is done
+        # (the copies of the pre-hook, if any, ran alongside the optimizer step).
+        self.stager.mark(pending.buffers)
+        self.stager.fence(pending.buffers)
         pending.rng = capture_rng()
         pending.data = self._data_state()
         pending.post_done = True
@@ -728,7 +732,6 @@ class Checkpointer:
             scratch=True,  # the staging buffers, refilled only after the writer's encoded()
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
-        self.stager.mark(pending.buffers)
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data), pending.buffers,
                                     pending.ranks))
         self._step = step

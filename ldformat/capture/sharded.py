@@ -453,13 +453,18 @@ def newest_committed(path: str, storage_options: dict[str, Any] | None) -> Calla
     retention keeps everything from the newest anchor at or below it, so that the newest
     committed step stays committed whatever the other ranks drop (spec §20.8)."""
     store = open_store(path, storage_options=storage_options)
+    failing: list[str] = []  # the error last warned about: a caller that polls gets one warning per new error
 
     def step() -> int | None:
         try:
             last = newest_commit(store, path)
         except (OSError, LdformatError) as e:
-            log.warning("%s: cannot read the newest commit record (%s); no history is dropped this time", path, e)
+            repeated = failing == [str(e)]
+            failing[:] = [str(e)]
+            log.log(logging.DEBUG if repeated else logging.WARNING,
+                    "%s: cannot read the newest commit record (%s); no history is dropped this time", path, e)
             return None
+        failing.clear()
         return None if last is None else last.step
 
     return step

@@ -38,6 +38,7 @@ class Stager:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda" and torch.cuda.is_available()
+        self.device = device if self.cuda else None
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None  # type: ignore[no-untyped-call]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -52,6 +53,18 @@ class Stager:
     def mark(self, buffers: BufferSet) -> None:
         """Record an event after every copy queued so far into ``buffers``."""
         buffers.event = self.stream.record_event() if self.stream is not None else None
+
+    def fence(self, buffers: BufferSet) -> None:
+        """Make the training's stream wait, on the GPU, for the copies :meth:`mark` covered.
+
+        The side stream reads the live tensors after the work that produced them, but nothing
+        else orders it before the work queued next: an in-place change (the next forward's
+        BatchNorm update, ``zero_grad(set_to_none=False)``, the next optimizer step, a user's
+        edit right after the step) could overwrite a tensor while it is being copied. The
+        host does not wait; the copies still overlap the work queued before the fence.
+        """
+        if buffers.event is not None and self.device is not None:
+            torch.cuda.current_stream(self.device).wait_event(buffers.event)
 
     @staticmethod
     def wait(buffers: BufferSet) -> None:
