@@ -20,6 +20,13 @@ the same for every method, and ``save_file`` also starts from tensors in memory.
 Every method starts with the disk's write queue drained (``os.sync``, not timed); the order
 rotates each round. Ratios are of median throughputs.
 
+By default every method rewrites its own file each round, so after the first round the file
+system reuses the blocks it just freed. ``--new-files`` gives every round new files, kept
+to the end: on a thin-provisioned virtual disk, blocks never written before can be several
+times slower (on the machine of ``benchmarks/results/anchor_write.md``, about 375 MB/s
+against 1.3-2 GB/s for every method, raw writes included). An anchor is always a new file;
+whether its blocks are fresh depends on what retention and the file system freed before.
+
 Run: ``python -m benchmarks.anchor_write [--quick] [--rounds N] [--dir DIR]``
 """
 
@@ -60,6 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 5, quick 3)")
     ap.add_argument("--dir", default=None, help="directory to write in (default: a temporary one)")
     ap.add_argument("--only", default=None, help="comma-separated method name prefixes")
+    ap.add_argument("--new-files", action="store_true", help="new files every round, kept to the end")
     args = ap.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
 
@@ -69,29 +77,36 @@ def main(argv: list[str] | None = None) -> None:
     store = LocalStore(root / "store")
     joined = encode_anchor(tensors, 0)
     path = "anchors/0-x.safetensors"
+    this_round = [0]
+
+    def fresh(name: str) -> str:
+        """``name``, or with ``--new-files`` a name of this round's own."""
+        return f"{this_round[0]}-{name}" if args.new_files else name
 
     def ld_anchor() -> int:
         anchor = anchor_parts(tensors, 0)  # as ChainWriter._write_anchor_object does
-        write_anchor_parts(store, path, anchor)
-        store.sync([path])
+        name = f"anchors/{fresh('x.safetensors')}"
+        write_anchor_parts(store, name, anchor)
+        store.sync([name])
         return anchor.size
 
     def ld_sequential() -> int:
         anchor = anchor_parts(tensors, 0)
-        store.write_parts("anchors/seq.safetensors", anchor.parts)
-        object_checksum_parts("anchors/seq.safetensors", anchor.parts)
-        store.sync(["anchors/seq.safetensors"])
+        name = f"anchors/{fresh('seq.safetensors')}"
+        store.write_parts(name, anchor.parts)
+        object_checksum_parts(name, anchor.parts)
+        store.sync([name])
         return anchor.size
 
     def st_save() -> int:
-        p = root / "st.safetensors"
+        p = root / fresh("st.safetensors")
         save_file(tensors, str(p))
         fsync_file(p)
         fsync_file(root)
         return p.stat().st_size
 
     def raw_write() -> int:
-        p = root / "raw.bin"
+        p = root / fresh("raw.bin")
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(joined)
@@ -106,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def raw_write_hinted() -> int:
         # As run.py's anchor section: posix_fadvise(DONTNEED) after each piece starts writeback early.
-        p = root / "raw-hinted.bin"
+        p = root / fresh("raw-hinted.bin")
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             view = memoryview(joined)
@@ -143,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         assert crc == object_checksum(path, joined), "the checksum differs from object_checksum"
         items = list(methods.items())
         for r in range(rounds):
+            this_round[0] = r + 1
             for name, fn in items[r % len(items):] + items[: r % len(items)]:
                 os.sync()  # the disk's write queue drained before every method (not timed)
                 t0 = time.perf_counter()
@@ -153,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
 
     mib = 1 << 20
     print(f"state: {len(tensors)} tensors, {state_bytes / mib:.2f} MiB; anchor object {len(joined) / mib:.2f} MiB; "
-          f"{rounds} interleaved rounds, os.sync before each method")
+          f"{rounds} interleaved rounds, os.sync before each method; "
+          f"{'new files every round' if args.new_files else 'each method rewrites its own file'}")
     print(f"{'method':48} {'median ms':>10} {'MiB/s':>8}  all ms")
     rate: dict[str, float] = {}
     for name in methods:

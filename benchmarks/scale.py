@@ -369,9 +369,8 @@ def report(res: dict[str, Any]) -> str:
              f"Command: `{res['command']}`", "",
              f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, "
              f"{res['machine']['memory_bytes'] / 2**30:.0f} GiB memory, no GPU; python {res['machine']['python']}, "
-             f"torch {res['machine']['torch']}; torch threads 2, blosc 1. The machine was shared with other jobs "
-             "during this run: every timing is noisy (tens of percent between runs); byte counts and buffer "
-             "sizes are exact.", "",
+             f"torch {res['machine']['torch']}; torch threads 2, blosc 1. Timings on a few cores vary by tens of percent "
+             "between runs (compare the rounds below); byte counts and buffer sizes are exact.", "",
              f"Run time: {res['total_seconds'] / 60:.1f} min (started {res['started_utc']}).", "",
              "## Method", "",
              "GPT of `workload.py` (pre-LN, tied embedding/head, AdamW, grad clipping 1.0, synthetic tokens), the "
