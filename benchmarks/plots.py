@@ -114,3 +114,50 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
         fig.suptitle("Scaling with model size")
         save(fig, "scaling.png")
     return written
+
+
+def make_scale_plot(scale: dict[str, Any], out: Path) -> str | None:
+    """``scale.png`` from ``benchmarks.scale``'s results: per mode, against the parameters, the
+    stall fraction, background CPU per step, delta bytes / raw state and materialize time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        print("matplotlib is not installed: plot skipped (pip install matplotlib)")
+        return None
+    panels = [("stall_fraction", "training-thread stall, % of step", 100.0),
+              ("bg_cpu_per_step_s", "background CPU, core-s per step", 1.0),
+              ("delta_over_state", "delta bytes per step / raw state", 1.0),
+              ("materialize", "materialize anchor + K deltas, s", 1.0)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(16, 4))
+    for ax, (key, title, scale_by) in zip(axes, panels, strict=True):
+        for mode, color in (("lowdiff", "tab:green"), ("lowdiff+", "tab:blue"), ("xor", "tab:red")):
+            xs, ys = [], []
+            for size in scale["sizes"]:
+                m = size["modes"].get(mode, {})
+                if not m.get("measured"):
+                    continue
+                value = m.get(key)
+                if isinstance(value, dict):  # materialize: {"median_s": ...}
+                    value = value.get("median_s")
+                if value is not None:
+                    xs.append(size["params"] / 1e6)
+                    ys.append(value * scale_by)
+            ax.plot(xs, ys, marker="o", color=color, label=mode)
+        ax.set_xscale("log")
+        ticks = [size["params"] / 1e6 for size in scale["sizes"]]
+        ax.set_xticks(ticks, [f"{t:.0f}M" for t in ticks])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        if key != "stall_fraction":
+            ax.set_yscale("log")
+        ax.set_xlabel("parameters")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out / "scale.png", dpi=110)
+    plt.close(fig)
+    return "scale.png"

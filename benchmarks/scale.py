@@ -18,7 +18,7 @@ chain's bytes and (first round only) ``materialize`` of anchor + K deltas.
 choice, as in ``overhead.py``) and passes ``compress=False``; its overhead against ``none``
 therefore includes the compression, which is also reported apart.
 
-Output: ``<out>/scale.json`` and ``<out>/scale.md`` (``<out>`` defaults to
+Output: ``<out>/scale.json``, ``<out>/scale.md`` and ``<out>/scale.png`` (``<out>`` defaults to
 ``benchmarks/results``, ``benchmarks/results/quick`` with ``--quick``).
 """
 
@@ -369,8 +369,8 @@ def report(res: dict[str, Any]) -> str:
              f"Command: `{res['command']}`", "",
              f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, "
              f"{res['machine']['memory_bytes'] / 2**30:.0f} GiB memory, no GPU; python {res['machine']['python']}, "
-             f"torch {res['machine']['torch']}; torch threads 2, blosc 1. Timings on a few cores vary by tens of percent "
-             "between runs (compare the rounds below); byte counts and buffer sizes are exact.", "",
+             f"torch {res['machine']['torch']}; torch threads 2, blosc 1. Timings on a few cores vary by tens of "
+             "percent between runs (compare the rounds below); byte counts and buffer sizes are exact.", "",
              f"Run time: {res['total_seconds'] / 60:.1f} min (started {res['started_utc']}).", "",
              "## Method", "",
              "GPT of `workload.py` (pre-LN, tied embedding/head, AdamW, grad clipping 1.0, synthetic tokens), the "
@@ -561,7 +561,10 @@ def main(argv: list[str] | None = None) -> int:
     (out / "scale.json").write_text(json.dumps(clean, indent=1, default=str) + "\n")
     (out / "scale.md").write_text(report(clean))
     print(report(clean))
-    print(f"wrote {out / 'scale.json'} and {out / 'scale.md'}")
+    from .plots import make_scale_plot
+
+    plot = make_scale_plot(clean, out)
+    print(f"wrote {out / 'scale.json'} and {out / 'scale.md'}" + (f" and {out / plot}" if plot else ""))
     return 0
 
 
