@@ -57,7 +57,7 @@ class Plan:
     @classmethod
     def full(cls) -> Plan:
         return cls(workload=WORKLOAD, intervals=[1, 10], derived_intervals=[100], rounds=4, window=10,
-                   anchor_reps=9, recovery_ks=[1, 10, 100], recovery_reps=2, recovery_budget_s=15.0, batch_steps=8,
+                   anchor_reps=9, recovery_ks=[1, 10, 100], recovery_reps=3, recovery_budget_s=15.0, batch_steps=8,
                    scaling_sizes=SCALING_SIZES, scaling_steps=10, chain_length=1000)
 
     @classmethod
