@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any
 
 
-def make_plots(results: dict[str, Any], out: Path) -> list[str]:
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (with a message) when it is not installed."""
     try:
         import matplotlib
 
@@ -14,6 +15,13 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: plots skipped (pip install matplotlib)")
+        return None
+    return plt
+
+
+def make_plots(results: dict[str, Any], out: Path) -> list[str]:
+    plt = _pyplot()
+    if plt is None:
         return []
     written: list[str] = []
 
@@ -119,15 +127,10 @@ def make_plots(results: dict[str, Any], out: Path) -> list[str]:
 def make_scale_plot(scale: dict[str, Any], out: Path) -> str | None:
     """``scale.png`` from ``benchmarks.scale``'s results: per mode, against the parameters, the
     stall fraction, background CPU per step, delta bytes / raw state and materialize time."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        print("matplotlib is not installed: plot skipped (pip install matplotlib)")
+    plt = _pyplot()
+    if plt is None:
         return None
+    from matplotlib.ticker import NullLocator
     panels = [("stall_fraction", "training-thread stall, % of step", 100.0),
               ("bg_cpu_per_step_s", "background CPU, core-s per step", 1.0),
               ("delta_over_state", "delta bytes per step / raw state", 1.0),
@@ -150,7 +153,7 @@ def make_scale_plot(scale: dict[str, Any], out: Path) -> str | None:
         ax.set_xscale("log")
         ticks = [size["params"] / 1e6 for size in scale["sizes"]]
         ax.set_xticks(ticks, [f"{t:.0f}M" for t in ticks])
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.xaxis.set_minor_locator(NullLocator())
         if key != "stall_fraction":
             ax.set_yscale("log")
         ax.set_xlabel("parameters")

@@ -182,6 +182,7 @@ def test_in_place_changes_right_after_a_step_wait_for_its_staging_copies(tmp_pat
         assert_materializes(path, refs, mode, "cuda")
 
 
+# -- 2. GradScaler ------------------------------------------------------------------------------
 @needs_cuda
 @pytest.mark.parametrize("optimizer", ["adam", "adamw-fused"])
 @pytest.mark.parametrize("mode", MODES)
