@@ -30,6 +30,7 @@ from torch import nn
 
 import ldformat
 from ldformat import ChainReader, ReplayEnvironmentWarning
+from ldformat.capture.staging import Stager
 from ldformat.environment import differences
 from ldtools.cli import cli
 
@@ -146,25 +147,41 @@ def test_staging_buffers_are_pinned(tmp_path: Path) -> None:
 
 @needs_cuda
 @pytest.mark.parametrize("mode", ["lowdiff+", "xor"])
-def test_in_place_changes_right_after_a_step_wait_for_its_staging_copies(tmp_path: Path, mode: str) -> None:
+def test_in_place_changes_right_after_a_step_wait_for_its_staging_copies(
+        tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The side-stream copies of a step finish before any later kernel changes what they read.
 
-    Several buffer sets in flight (``queue_depth=2``) and a state large enough that its copy
-    outlasts the kernels queued right after the step: for ``xor``, the user halves every
-    parameter in place right after ``opt.step()`` (the chain records the state the step left,
-    the halving lands in the next step's); for ``lowdiff+``, ``zero_grad(set_to_none=False)``
-    zeroes the gradients in place. Unfenced copies would read some tensors after the change.
+    The side stream spins (``torch.cuda._sleep``) before each copy, so every copy is still
+    waiting when the training queues its next kernels: without the fence they would run first.
+    For ``xor`` the user halves every parameter in place right after ``opt.step()`` (the chain
+    records the state the step left; the halving lands in the next step's); for ``lowdiff+``
+    the next ``zero_grad(set_to_none=False)`` zeroes the staged gradients in place and the next
+    forward updates BatchNorm's statistics. Several buffer sets are in flight (``queue_depth=2``).
+    On an H100 the ``xor`` case fails with the fence turned off (``model.3.weight`` differs at
+    step 1); the ``lowdiff+`` case passed there without it, so some other wait orders that path
+    today, and the case stays as a guard. Without the spin the copies rarely lose the race.
     """
+    copy = Stager.copy
+
+    def late_copy(self: Stager, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is not None and src.device.type == "cuda":
+            self.stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(2_000_000)  # about a millisecond of GPU clock cycles
+        copy(self, dst, src)
+
+    monkeypatch.setattr(Stager, "copy", late_copy)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(2048, 2048), nn.BatchNorm1d(2048), nn.ReLU(), nn.Linear(2048, 2048)).cuda()
+    model = nn.Sequential(nn.Linear(512, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Linear(512, 512)).cuda()
     opt = make_optimizer("adam", model.parameters())
     path = tmp_path / f"chain-{mode}"
     ck = ldformat.Checkpointer(path, model, opt, mode=mode, anchor_every=100, batch_steps=2, queue_depth=2)
     refs = {0: live(model, opt)}
     gen = torch.Generator(device="cuda").manual_seed(0)
+    params = dict(model.named_parameters())
     for step in range(1, 7):
         opt.zero_grad(set_to_none=False)
-        x = torch.randn(256, 2048, device="cuda", generator=gen)
+        x = torch.randn(256, 512, device="cuda", generator=gen)
         model(x).square().mean().backward()
         opt.step()
         if mode == "xor":
@@ -173,8 +190,7 @@ def test_in_place_changes_right_after_a_step_wait_for_its_staging_copies(tmp_pat
                     p.mul_(0.5)
         refs[step] = live(model, opt)
         if mode == "xor":  # the recorded state is the one the step left, before the halving
-            refs[step]["model"] = {k: (v * 2 if k in dict(model.named_parameters()) else v)
-                                   for k, v in refs[step]["model"].items()}
+            refs[step]["model"] = {k: (v * 2 if k in params else v) for k, v in refs[step]["model"].items()}
     ck.close()
     if mode == "xor":  # halving and doubling are exact in binary floating point
         assert_materializes(path, refs, mode, None)
