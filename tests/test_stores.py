@@ -271,6 +271,44 @@ def test_local_path_names_the_file(chain: Path) -> None:
     assert store.local_path("anchors/0-0123abcd.safetensors") == chain / "anchors" / "0-0123abcd.safetensors"
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not Path("/proc/self/fd").is_dir(),
+                    reason="needs posix_fadvise and /proc/self/fd")
+@pytest.mark.parametrize("drop_cache", [True, False])
+def test_local_sync_drops_large_objects_from_the_page_cache_once_durable(
+        chain: Path, monkeypatch: pytest.MonkeyPatch, drop_cache: bool) -> None:
+    """A large object leaves the page cache right after its fsync (a whole-file DONTNEED);
+    small ones (metadata, records) stay cached, and ``drop_cache=False`` keeps everything."""
+    events: list[tuple[str, str]] = []
+    fadvise, fsync = os.posix_fadvise, LocalStore._fsync_fd
+
+    def name(fd: int) -> str:
+        return Path(os.readlink(f"/proc/self/fd/{fd}")).name
+
+    def spy_fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_DONTNEED and (offset, length) == (0, 0):
+            events.append(("drop", name(fd)))
+        fadvise(fd, offset, length, advice)
+
+    def spy_fsync(self: LocalStore, fd: int) -> None:
+        events.append(("fsync", name(fd)))
+        fsync(self, fd)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
+    monkeypatch.setattr(LocalStore, "_fsync_fd", spy_fsync)
+    store = LocalStore(chain, drop_cache=drop_cache)
+    big = np.arange(local_module.DROP_CACHE_MIN_BYTES // 4, dtype=np.uint32)
+    store.write("deltas/1-1-0123abcd/c/0", big)
+    store.write("deltas/1-1-0123abcd/zarr.json", b"{}")
+    assert events == []  # writing alone drops nothing
+    store.sync(["deltas/1-1-0123abcd/c/0", "deltas/1-1-0123abcd/zarr.json"])
+    files = [e for e in events if e[1] in ("0", "zarr.json")]
+    if drop_cache:
+        assert files == [("fsync", "0"), ("drop", "0"), ("fsync", "zarr.json")]
+    else:
+        assert files == [("fsync", "0"), ("fsync", "zarr.json")]
+    assert store.read("deltas/1-1-0123abcd/c/0") == big.tobytes()
+
+
 # -- MemoryStore only ---------------------------------------------------------------------------------
 def test_memory_crash_drops_exactly_what_was_not_synced() -> None:
     store = MemoryStore()
