@@ -56,7 +56,7 @@ import torch  # noqa: E402
 
 from .overhead import analyse, run_configs  # noqa: E402
 from .peers import Config, config_factories  # noqa: E402
-from .stats import fmt_ci, human_bytes, table  # noqa: E402
+from .stats import fmt_ci, human_bytes, public_command, table  # noqa: E402
 from .workload import QUICK_WORKLOAD, WORKLOAD, ModelSize, configure_threads, n_params  # noqa: E402
 
 # GPT-2-small shape with the workload's smaller vocabulary: 110.4M parameters.
@@ -323,20 +323,6 @@ def build(run: Run, device: torch.device) -> list[Config]:
     return configs
 
 
-def _public_args(argv: list[str]) -> list[str]:
-    """The arguments as the results record them: without where --out and --workdir were, which
-    name this machine's directories, not the measurement."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--out", "--workdir"):
-            skip = True
-        elif not a.startswith(("--out=", "--workdir=")):
-            out.append(a)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu (a smoke test)")
@@ -376,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="ldformat-gpu-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.gpu" + "".join(" " + a for a in _public_args(argv if argv is not None
-                                                                                 else sys.argv[1:]))
+    command = public_command("benchmarks.gpu", argv if argv is not None else sys.argv[1:])
     run = Run(args, size, workdir, command)
     done = threading.Event()
     threading.Thread(target=watchdog, args=(run, args.budget_s, done), name="gpu-bench-watchdog",

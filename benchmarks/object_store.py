@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from .stats import fmt_ci, human_bytes, median, summary, table, verdict
+from .stats import fmt_ci, human_bytes, median, public_command, summary, table, verdict
 from .workload import configure_threads
 
 BUCKET = "ldformat-bench"
@@ -614,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out or Path("benchmarks/results/quick" if quick else "benchmarks/results")
     out_dir.mkdir(parents=True, exist_ok=True)
     given = argv if argv is not None else sys.argv[1:]
-    command = "python -m benchmarks.object_store" + "".join(" " + a for a in given)
+    command = public_command("benchmarks.object_store", given)
 
     def on_term(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)

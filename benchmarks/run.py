@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from . import overhead, recovery, storage
+from .stats import public_command
 from .workload import (
     QUICK_SCALING_SIZES,
     QUICK_WORKLOAD,
@@ -165,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     own_workdir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="ldformat-bench-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
-    command = "python -m benchmarks.run" + ("" if not argv and len(sys.argv) <= 1 else " " + " ".join(
-        argv if argv is not None else sys.argv[1:]))
+    command = public_command("benchmarks.run", argv if argv is not None else sys.argv[1:])
 
     started = time.perf_counter()
     info = machine()

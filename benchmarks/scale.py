@@ -42,6 +42,7 @@ from typing import Any
 
 from ldformat.capture.runtime import DEFAULT_QUEUE_DEPTH
 
+from .stats import public_command
 from .workload import ModelSize
 
 # Same architecture family as workload.py; equal tokens per step (2 x 128) at every size.
@@ -504,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ldformat-scale-")) if own else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     given = argv if argv is not None else sys.argv[1:]
-    command = "python -m benchmarks.scale" + ("" if not given else " " + " ".join(given))
+    command = public_command("benchmarks.scale", given)
     started = time.perf_counter()
     res: dict[str, Any] = {"command": command, "machine": machine(), "queue_depth": QUEUE_DEPTH, "k": K,
                            "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "sizes": []}

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from .stats import fmt_ci, human_bytes, median, summary, table
+from .stats import fmt_ci, human_bytes, median, public_command, summary, table
 from .workload import QUICK_WORKLOAD, WORKLOAD, Data, ModelSize, configure_threads
 
 if TYPE_CHECKING:
@@ -792,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="ldformat-sharded-")) if own_workdir else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
     given = argv if argv is not None else sys.argv[1:]
-    command = "python -m benchmarks.sharded" + ("".join(" " + a for a in given))
+    command = public_command("benchmarks.sharded", given)
     configure_threads()
     torch.set_num_threads(1)
     info = machine()

@@ -71,3 +71,17 @@ def table(headers: list[str], rows: list[list[Any]]) -> str:
 
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**NOT met**")
+
+
+def public_command(module: str, argv: Sequence[str]) -> str:
+    """``python -m <module> <args>`` as the results record it: without where ``--out`` and
+    ``--workdir`` were, which name the measuring machine's directories, not the measurement."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--workdir"):
+            skip = True
+        elif not a.startswith(("--out=", "--workdir=")):
+            out.append(a)
+    return " ".join([f"python -m {module}", *out])
