@@ -193,7 +193,7 @@ class LocalStore(Store):
         """Hand written bytes to writeback now, without waiting (a hint, not a durability point).
 
         On Linux ``POSIX_FADV_DONTNEED`` starts writing the range's dirty pages back (and
-        drops only pages already clean; :meth:`sync` drops the rest once they are). Done every
+        drops only pages already clean; with ``drop_cache`` :meth:`sync` drops the rest). Done every
         :data:`WRITEBACK_CHUNK` bytes of a large object, the disk works while the rest is
         written and checksummed, and the fsync of :meth:`sync` has little left to wait for.
         """
