@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from numcodecs import Blosc, Zstd
 
+from .stats import public_command
 from .workload import QUICK_WORKLOAD, WORKLOAD, ModelSize, Trainer, configure_threads, n_params
 
 BLOCK = 1 << 18  # elements per frame: 1 MiB of 32-bit values
@@ -643,8 +644,7 @@ def main(argv: list[str] | None = None) -> int:
     out_path = Path(args.out or ("benchmarks/results/quick/delta_codecs.md" if args.quick
                                  else "benchmarks/results/delta_codecs.md"))
     given = argv if argv is not None else sys.argv[1:]
-    command = "python -m benchmarks.delta_codecs" + "".join(f" {a}" for a in given
-                                                            if not a.startswith("--out") and "/" not in a)
+    command = public_command("benchmarks.delta_codecs", given)
     configure_threads()
     wall0 = time.perf_counter()
 

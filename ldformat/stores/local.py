@@ -66,7 +66,7 @@ class LocalStore(Store):
             batches are written once and read rarely: kept cached, a chain's hundreds of MiB per
             step push the training's own cached files (its dataset) out, and the kernel's work
             to find pages for them lands on the writing thread (on a 2-core VM, 100 MiB per step
-            as 45 objects cost 207-242 ms of the writer's CPU cached and 29 ms dropped;
+            as 45 objects cost 229-231 ms of the writer's CPU cached and 40-47 ms dropped;
             docs/implementation-notes.md "Page cache"). ``False`` keeps them cached, for a
             reader or mirror that reads them right after the commit.
 
