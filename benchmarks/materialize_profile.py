@@ -3,6 +3,7 @@
     python -m benchmarks.materialize_profile            # gpt-30m (29.5M parameters), K=10
     python -m benchmarks.materialize_profile --quick    # gpt-3m, a few seconds a run
     python -m benchmarks.materialize_profile --cprofile # also the top functions of one run
+    python -m benchmarks.materialize_profile --floor    # also the lowest time the parts allow here
     python -m benchmarks.materialize_profile --baseline DIR
         # also time DIR/ldformat_base (another version of the package, renamed, e.g. from
         # `git archive <rev> ldformat`), interleaved with this one
@@ -43,6 +44,7 @@ from .recovery import MODES, bit_exact, build_chain, optimizer_step_time, replay
 from .workload import QUICK_WORKLOAD, WORKLOAD, ModelSize, configure_threads, n_params
 
 KINDS = {"grad.dense": "lowdiff+", "state.xor": "xor"}
+BARS = {"grad.dense": 1.2, "state.xor": 2.0}  # materialize / reference (issue bars, RESULTS.md section 4)
 
 
 def chain_dir(base: Path, size: ModelSize, k: int, mode: str) -> Path:
@@ -140,6 +142,209 @@ def materialize(chain: Path, k: int, package: str = "ldformat") -> dict[str, Any
     return reader.materialize(k)  # type: ignore[no-any-return]
 
 
+# -- the floor: what this machine needs at least ------------------------------------------------
+def two_thread_speedup(seconds: float = 0.25) -> dict[str, float]:
+    """Work done by two threads over one in the same time, for an element-wise numpy loop whose
+    arrays stay in the L2 cache (compute-bound) and one streaming 128 MiB arrays (memory-bound).
+    No overlap of decoding with replay can gain more than this on this machine."""
+    import numpy as np
+
+    def rate(threads: int, n: int) -> float:
+        a = np.random.default_rng(0).random(n, dtype=np.float32)
+        outs = [np.empty_like(a) for _ in range(threads)]
+        reps = max(1, int(2e8 // n))  # about 0.1 s of one thread
+
+        def work(out: np.ndarray) -> None:
+            for _ in range(reps):
+                np.multiply(a, np.float32(1.0001), out=out)
+
+        best = float("inf")
+        for _ in range(3):
+            pool = [threading.Thread(target=work, args=(o,)) for o in outs]
+            t0 = time.perf_counter()
+            for t in pool:
+                t.start()
+            for t in pool:
+                t.join()
+            best = min(best, time.perf_counter() - t0)
+        return threads * reps * n / best
+
+    return {what: rate(2, n) / rate(1, n) for what, n in (("compute", 1 << 16), ("memory", 1 << 25))}
+
+
+def best_of(fn: Callable[[], Any], reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        gc.collect()
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def serial_parts(chain: Path, k: int, reps: int = 3) -> dict[str, float]:
+    """Seconds of each part of materialize(k) done alone on one thread (best of ``reps``): the
+    anchor, then, over the K deltas, reading their objects from the page cache, their crc32c,
+    decoding the rows (the chunks' own crc32c, blosc, segment views) and applying them (the
+    optimizer step or the state delta, one torch thread). Every part is work any reader of
+    these bytes does; the sum, divided by the two-thread speedup, bounds materialize below."""
+    from ldformat import ChainReader
+    from ldformat.delta import RowDecoder
+    from ldformat.jsonvalue import object_checksum
+
+    reader = ChainReader(chain)
+    anchor_step, path = reader.state.replay_path(k)
+    entries = list({reader.state.deltas[s][0].path: reader.state.deltas[s][0] for s in path}.values())
+    store = reader.store
+    objects = {(e.path, o.path): f"{e.path}/{o.path}" for e in entries for o in e.objects}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        parts = {"anchor (read + crc32c + parse)": best_of(lambda: reader.load_anchor_tensors(anchor_step), reps),
+                 "read objects (page cache)": best_of(lambda: [store.read_buffer(p) for p in objects.values()], reps)}
+        data = {key: store.read_buffer(p) for key, p in objects.items()}
+        parts["object crc32c"] = best_of(lambda: [object_checksum(p, data[key]) for key, p in objects.items()], reps)
+        decode = apply = float("inf")
+        for _ in range(reps):
+            replayer = reader.start_replay(anchor_step)
+            gc.collect()
+            t_decode = t_apply = 0.0
+            decoders: dict[str, RowDecoder] = {}
+            for s in path:
+                entry, step_entry = reader.state.deltas[s]
+                if entry.path not in decoders:
+                    decoders.clear()  # one batch's buffers at a time
+                    rows = [reader.state.deltas[x][1].row for x in path if reader.state.deltas[x][0].path == entry.path]
+                    mine = {o.path: data[(entry.path, o.path)] for o in entry.objects}
+                    decoders[entry.path] = RowDecoder(mine, entry.slots, entry.rows, entry.path,
+                                                      range(min(rows), max(rows) + 1))
+                slots = {slot.name: slot for slot in entry.slots}
+                t0 = time.perf_counter()
+                row = decoders[entry.path].row(step_entry.row).row(step_entry.row)
+                t1 = time.perf_counter()
+                if reader.kind == "state.xor":
+                    replayer.apply_xor_step(step_entry, row, slots, "floor")
+                else:
+                    replayer.apply_grad_step(step_entry, row, slots, "floor")
+                t_decode, t_apply = t_decode + t1 - t0, t_apply + time.perf_counter() - t1
+            decode, apply = min(decode, t_decode), min(apply, t_apply)
+        parts["decode rows (chunk crc32c + blosc)"] = decode
+        parts["apply (" + ("state delta" if reader.kind == "state.xor" else "optimizer steps") + ")"] = apply
+    finally:
+        torch.set_num_threads(threads)
+    return parts
+
+
+def report_floor(kind: str, k: int, parts: dict[str, float], speedup: dict[str, float], reference: float,
+                 measured: float, bar: float) -> list[str]:
+    """Lines saying what the parts imply: the lowest materialize time any overlap of them could
+    reach here (their sum over the best two-thread speedup measured) and with two ideal cores."""
+    total = sum(parts.values())
+    best = max(speedup.values())
+    lines = [f"  floor of {kind}, K={k}: every part alone on one thread (best of 3):"]
+    for label, s in parts.items():
+        per_delta = "" if label.startswith("anchor") else f"  ({s / k * 1e3:6.1f} ms per delta)"
+        lines.append(f"    {label:<44} {s:8.3f} s{per_delta}")
+    for label, divisor in [("sum (one core)", 1.0), (f"sum / best two-thread speedup here ({best:.2f}x)", best),
+                           ("sum / two ideal cores (2.00x)", 2.0)]:
+        lines.append(f"    {label:<44} {total / divisor:8.3f} s  -> {total / divisor / reference:.2f}x the reference "
+                     f"{reference:.3f} s")
+    lines.append(f"    (bar {bar:.1f}x; materialize measured {measured / reference:.2f}x)")
+    return lines
+
+
+ROW_CODECS: dict[str, dict[str, Any]] = {  # numcodecs Blosc settings (1 MiB blocks, as the writer's)
+    "lz4 3 shuffle (the writer's)": {"cname": "lz4", "clevel": 3, "shuffle": 1},
+    "lz4 3 no shuffle": {"cname": "lz4", "clevel": 3, "shuffle": 0},
+    "zstd 1 shuffle": {"cname": "zstd", "clevel": 1, "shuffle": 1},
+    "stored (blosc memcpy)": {"cname": "lz4", "clevel": 0, "shuffle": 0},
+}
+
+
+def writer_coding(chain: Path, k: int, reps: int = 3) -> float:
+    """Seconds the writer takes, on one thread (best of ``reps``), to turn step ``k``'s state into
+    its ``state.xor`` row values: the Adam predictions from the coefficients the row stores, the
+    differences, zigzag and moving the base on (:func:`ldformat.state_delta.row_values`, as
+    :class:`~ldformat.writer.ChainWriter` calls it), from the states of steps ``k - 1`` and ``k``
+    as the chain replays them. Compression, crc32c and the writes come on top."""
+    import numpy as np
+
+    from ldformat import ChainReader
+    from ldformat.captured import CapturedTensor
+    from ldformat.checks import Schema
+    from ldformat.delta import tensor_bits
+    from ldformat.predict import PREDICT
+    from ldformat.state_delta import row_values
+
+    reader = ChainReader(chain)
+    entry, step_entry = reader.state.deltas[k]
+    row = reader.load_batch(entry, k).row(step_entry.row)
+    coefs = {int(n[len(PREDICT):]): np.ascontiguousarray(seg[1]).view(np.uint32)
+             for n, seg in row.items() if n.startswith(PREDICT)}
+    encodings = {slot.name: slot.encoding for slot in entry.slots if slot.name in row and
+                 not slot.name.startswith(PREDICT)}
+    before = {n: tensor_bits(t) for n, t in reader.stored_tensors(k - 1).items() if n in encodings}
+    after = {n: tensor_bits(t) for n, t in reader.stored_tensors(k).items() if n in encodings}
+    params = list(Schema.of(reader.root, str(chain)).params)
+    best = float("inf")
+    for _ in range(reps):
+        tensors = {n: CapturedTensor(bits=b.copy(), dtype="float32", shape=b.shape) for n, b in after.items()}
+        base = {n: b.copy() for n, b in before.items()}
+        gc.collect()
+        t0 = time.perf_counter()
+        values = row_values(tensors, encodings, params, coefs, base, dict(base), in_place=True)
+        best = min(best, time.perf_counter() - t0)
+    expected = {n: np.ascontiguousarray(seg[1]).view(values[n].dtype) for n, seg in row.items() if n in encodings}
+    if any(not np.array_equal(values[n], v) for n, v in expected.items()):
+        raise RuntimeError(f"{chain}: the recomputed values of step {k} differ from the stored row")
+    return best
+
+
+def row_codecs(chain: Path, k: int) -> list[str]:
+    """The writer's side of the floor: the last ``state.xor`` row's values by role (the ``adam.w``
+    and ``adam.v`` residuals, ``m``'s differences), each coded alone by each codec of
+    :data:`ROW_CODECS` in 8 MiB chunks, one blosc thread, best of 3: compression is the part of
+    the writer's CPU a cheaper codec can move; prediction, differences, crc32c and the writes stay."""
+    import numcodecs
+    import numpy as np
+    from numcodecs import blosc
+
+    from ldformat import ChainReader
+
+    reader = ChainReader(chain)
+    entry, step_entry = reader.state.deltas[k]
+    row = reader.load_batch(entry, k).row(step_entry.row)
+    roles: dict[str, list[np.ndarray]] = defaultdict(list)
+    for slot in entry.slots:
+        if slot.name in row:
+            role = slot.encoding if slot.encoding in ("adam.w", "adam.v") else (
+                "m (sub)" if slot.name.endswith("/exp_avg") else "other")
+            roles[role].append(np.ascontiguousarray(row[slot.name][1]).view(np.uint32))
+    previous = blosc.get_nthreads()
+    blosc.set_nthreads(1)
+    lines = [f"  state.xor row of step {k} by role, each codec alone (one thread, best of 3): stored / raw, "
+             "encode ms, decode ms"]
+    try:
+        for role, arrays in sorted(roles.items()):
+            values = np.concatenate(arrays)
+            if role == "other":
+                continue
+            chunks = [values[i:i + (1 << 21)] for i in range(0, values.shape[0], 1 << 21)]
+            cells = []
+            for label, settings in ROW_CODECS.items():
+                codec = numcodecs.Blosc(blocksize=1 << 20, **settings)
+                frames = [codec.encode(c) for c in chunks]
+                enc = best_of(lambda codec=codec, chunks=chunks: [codec.encode(c) for c in chunks], 3)
+                dec = best_of(lambda codec=codec, frames=frames: [codec.decode(f) for f in frames], 3)
+                ratio = sum(len(f) for f in frames) / values.nbytes
+                cells.append(f"{label}: {ratio:.3f}, {enc * 1e3:.0f}, {dec * 1e3:.0f}")
+            zeros = 1 - np.count_nonzero(values) / values.shape[0]
+            lines.append(f"    {role} ({values.nbytes / 2**20:.1f} MiB, {zeros:.1%} zero): " + "; ".join(cells))
+    finally:
+        blosc.set_nthreads(previous)
+    return lines
+
+
 def time_once(fn: Callable[[], Any]) -> float:
     gc.collect()
     t0 = time.perf_counter()
@@ -158,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cprofile", action="store_true", help="print the top functions of one materialize per kind")
     p.add_argument("--baseline", type=Path, help="a directory holding ldformat_base, timed interleaved")
     p.add_argument("--no-check", action="store_true", help="skip the bit-exactness check")
+    p.add_argument("--floor", action="store_true",
+                   help="also time every part alone on one thread and the machine's two-thread speedup: the "
+                        "lowest materialize time these parts allow here")
     args = p.parse_args(argv)
 
     configure_threads()
@@ -171,6 +379,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {size.name} ({n_params(GPT(size)) / 1e6:.1f}M parameters), K={args.k}, "
           f"torch threads {torch.get_num_threads()}", flush=True)
     rows = []
+    floors: list[str] = []
+    speedup: dict[str, float] = {}
     for kind in args.kinds.split(","):
         chain, full, t_opt = info[kind]["chain"], info[kind]["full"], info[kind]["t_opt"]
         if not args.no_check:
@@ -203,6 +413,17 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  breakdown of one instrumented materialize ({wall:.3f} s wall; seconds summed over threads):")
         for label, s in phases.seconds.items():
             print(f"    {label:<44} {s:8.3f} s  ({phases.calls[label]} calls)")
+        if args.floor:
+            parts = serial_parts(chain, args.k)
+            speedup = speedup or two_thread_speedup()
+            m = statistics.median(m_runs)
+            lines = report_floor(kind, args.k, parts, speedup, ref, m, BARS[kind])
+            if kind == "state.xor":
+                lines.append(f"  writer, step {args.k}: predictions + differences of the row (row_values, one thread, "
+                             f"best of 3): {writer_coding(chain, args.k) * 1e3:.0f} ms; then compression:")
+                lines += row_codecs(chain, args.k)
+            floors.extend(lines)
+            print("\n".join(lines), flush=True)
         if args.cprofile:
             prof = cProfile.Profile()
             prof.enable()
@@ -214,6 +435,10 @@ def main(argv: list[str] | None = None) -> None:
     print("\n| kind | model | K | materialize s | reference s | ratio | bit-exact |\n|---|---|---|---|---|---|---|")
     for kind, m, ref, ratio, exact in rows:
         print(f"| {kind} | {size.name} | {args.k} | {m:.3f} | {ref:.3f} | {ratio:.2f}x | {exact} |")
+    if speedup:
+        print(f"\ntwo threads over one on this machine: {speedup['compute']:.2f}x (compute-bound numpy), "
+              f"{speedup['memory']:.2f}x (memory-bound)")
+        print("\n".join(floors))
 
 
 if __name__ == "__main__":

@@ -809,13 +809,20 @@ class RowDecoder:
     then decodes only the chunks that row needs, in parallel, each chunk of the batch once
     when rows are asked for in order, and decompresses them straight into buffers that are
     reused: the segments a row returns stay valid until ``buffers - 1`` further rows have
-    been decoded (a replay takes what it keeps by copy). A group outside the 1.0 codec chain
+    been decoded (a replay takes what it keeps by copy). ``follows``: the decoder of the
+    previous batch, whose buffers this one takes over, going on with its turns (a row of
+    that batch still being replayed keeps its buffer). A group outside the 1.0 codec chain
     is decoded whole by :func:`decode_batch`.
     """
 
     def __init__(self, objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int,
-                 where: str, wanted: range, *, buffers: int = 2) -> None:
+                 where: str, wanted: range, *, buffers: int = 2, follows: RowDecoder | None = None) -> None:
         self._objects, self._slots, self._where = objects, slots, where
+        self.buffers: int = max(1, buffers)  # rows decoded into buffers of their own, in turn
+        self._buffers: dict[str, list[np.ndarray]] = {}
+        self._turn = 0
+        if follows is not None and follows.buffers == self.buffers:
+            self._buffers, self._turn = follows._buffers, follows._turn
         self._whole: DecodedBatch | None = None
         self._arrays: dict[str, _ProfileArray] = {}
         first = decode_batch_checks(objects, slots, rows, where, wanted)  # decode_batch's checks
@@ -827,9 +834,6 @@ class RowDecoder:
         _check_counts(self._counts, rows, slots, where)
         _check_lengths(first, self._counts, slots, where)
         self._wanted = wanted
-        self._buffers: dict[str, list[np.ndarray]] = {}
-        self._n_buffers = max(1, buffers)
-        self._turn = 0
         self._cache: dict[str, dict[int, np.ndarray]] = {}
 
     def row(self, r: int, pool: ThreadPoolExecutor | None = None) -> DecodedBatch:
@@ -838,7 +842,7 @@ class RowDecoder:
             return DecodedBatch(self._whole.slots, self._whole.counts, {r: self._whole.segments[r]})
         if r not in self._wanted:
             raise KeyError(f"row {r} was not decoded (decoded rows: {self._wanted.start}..{self._wanted.stop - 1})")
-        turn, self._turn = self._turn % self._n_buffers, self._turn + 1
+        turn, self._turn = self._turn % self.buffers, self._turn + 1
         data: dict[str, np.ndarray] = {}
         for name, span in _element_ranges(self._counts, self._slots, r, r + 1).items():
             flat = self._arrays.get(name)

@@ -142,12 +142,14 @@ class ChainReader:
                 objects[key]  # verify every object, even one decoding would not need
         return decode_batch(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}", rows)
 
-    def row_decoder(self, entry: DeltaEntry, step: int | None, rows: range) -> RowDecoder:
+    def row_decoder(self, entry: DeltaEntry, step: int | None, rows: range,
+                    follows: RowDecoder | None = None) -> RowDecoder:
         """A :class:`~ldformat.delta.RowDecoder` of ``rows`` of a batch (checked as :meth:`load_batch`
-        checks it), reading and verifying each object when a row first needs it."""
+        checks it), reading and verifying each object when a row first needs it; ``follows``:
+        the previous batch's decoder, whose buffers it reuses."""
         check_slots(entry.slots, self.root.schema, self.root.kind, f"{self.path}/{entry.path}")  # spec §10.3
         objects = _VerifiedObjects(self, entry, step)
-        return RowDecoder(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}", rows)
+        return RowDecoder(objects, entry.slots, entry.rows, f"{self.path}/{entry.path}", rows, follows=follows)
 
     # -- materialize -------------------------------------------------------------------
     def _check_step(self, step: int | None) -> int:
@@ -458,8 +460,8 @@ class _Prefetcher:
     """Yields, one step at a time, the decoded rows a replay of ``steps`` needs, decoding the
     next step's row in a background thread while the current one is replayed (decode
     overlaps optimizer steps or XOR). Each batch's objects are read and verified as its rows
-    need them, each chunk is decompressed once, into buffers reused from row to row
-    (:class:`~ldformat.delta.RowDecoder`): at most two decoded rows are in memory."""
+    need them, each chunk is decompressed once, into buffers reused from row to row and from
+    batch to batch (:class:`~ldformat.delta.RowDecoder`): at most two decoded rows are in memory."""
 
     def __init__(self, reader: ChainReader, steps: list[int]) -> None:
         self._plan: list[tuple[DeltaEntry, int, StepEntry]] = []
@@ -481,8 +483,11 @@ class _Prefetcher:
         try:
             if i == 0 or self._plan[i - 1][0].path != entry.path:  # the first step of a batch
                 used = [e.row for e_, _, e in self._plan[i:] if e_.path == entry.path]
-                self._decoder = None  # the previous batch's buffers go first
-                self._decoder = self._reader.row_decoder(entry, step, range(min(used), max(used) + 1))
+                # The previous batch's objects go first; its row buffers are reused (fresh
+                # memory costs a page fault per page).
+                previous, self._decoder = self._decoder, None
+                self._decoder = self._reader.row_decoder(entry, step, range(min(used), max(used) + 1), previous)
+                del previous
             assert self._decoder is not None
             # XOR (numpy, one thread) leaves cores to decode on; an optimizer step runs torch's
             # intra-op threads, which a second decoding thread would only slow down.

@@ -166,6 +166,7 @@ class Replayer:
         self._params: list[torch.Tensor] = []
         self._grad_buffers: dict[int, torch.Tensor] = {}
         self._device_grads: dict[int, torch.Tensor] = {}
+        self._m_before = np.empty(0, np.uint32)  # m before the row, reused for each adam.v
 
     # -- gradient replay -------------------------------------------------------------
     def rules(self, where: str) -> OptimizerRules:
@@ -275,7 +276,7 @@ class Replayer:
             for name, seg in row.items():
                 if name in predicted or name.startswith(PREDICT):
                     continue
-                m0 = _bits_copy(self.tensors.get(name)) if name in second else None
+                m0 = self._copy_of_m(self.tensors.get(name)) if name in second else None
                 if name in new:
                     self.tensors[name] = state_delta_tensor(seg, slots[name])
                 else:
@@ -291,6 +292,18 @@ class Replayer:
         self.param_groups = entry.param_groups
         self.extra = entry.extra
         self.optimizer_structure = entry.optimizer
+
+    def _copy_of_m(self, m: torch.Tensor | None) -> np.ndarray | None:
+        """The bits of ``m`` before its slot is applied, in a buffer reused from tensor to tensor
+        and step to step (fresh memory costs a page fault per page)."""
+        if m is None:
+            return None
+        bits = _own_bits(m)
+        if self._m_before.shape[0] < bits.shape[0]:
+            self._m_before = np.empty(bits.shape[0], np.uint32)
+        out = self._m_before[: bits.shape[0]]
+        np.copyto(out, bits)
+        return out
 
     def _apply_predicted(self, name: str, i: int, row: dict[str, Segment], slot: SlotInfo,
                          m0: np.ndarray | None) -> None:

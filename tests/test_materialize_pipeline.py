@@ -47,6 +47,28 @@ def test_rows_one_at_a_time_match_decode_batch(monkeypatch: pytest.MonkeyPatch) 
         decoder.row(0)
 
 
+def test_next_batch_reuses_the_buffers_without_touching_the_row_in_replay(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder that follows another takes its row buffers, going on with its turns: the last
+    row of the previous batch (still being replayed) keeps its values while the next batch's
+    first row is decoded, and that row lands in the buffer the previous batch used before."""
+    slots, first = _batch(monkeypatch)
+    _, second = _batch(monkeypatch, rows=3)
+    decoder = RowDecoder(first, slots, 5, "first", range(3, 5))
+    decoder.row(3)
+    last = decoder.row(4).row(4)
+    kept = {n: v.copy() for n, (_, v) in last.items()}
+    follower = RowDecoder(second, slots, 3, "second", range(3), follows=decoder)
+    row = follower.row(0).row(0)
+    expected = decode_batch(second, slots, 3, "second").row(0)
+    for name, (_, vals) in row.items():
+        assert np.array_equal(vals, expected[name][1])
+    for name, (_, vals) in last.items():  # not overwritten
+        assert np.array_equal(vals, kept[name]), name
+    assert follower._buffers is decoder._buffers  # no new memory for the second batch
+    # without `follows`, a decoder starts with buffers of its own
+    assert RowDecoder(second, slots, 3, "second", range(3))._buffers is not decoder._buffers
+
+
 def test_damaged_chunk_fails_when_its_row_is_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
     slots, objects = _batch(monkeypatch)
     key = sorted(k for k in objects if k.startswith("values_u32/c/"))[-1]
