@@ -39,7 +39,7 @@ from .errors import (
     WriterIOError,
 )
 from .fold import ChainState, SegmentReader
-from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, object_checksum, parse_json
+from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, crc32c_extend, parse_json
 from .manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, RootMetadata, Segment, SegmentRef
 from .stores import ObjectTooLargeError, Store
 
@@ -211,8 +211,9 @@ def read_verified(store: Store, path: str, ref: ObjectRef, where: str, what: str
     """Read a referenced object and verify its size and crc32c before anyone parses it (spec
     §7.6); ``where`` names it in errors, ``missing`` says what to do when it is gone."""
     try:
-        # An object larger than its reference says is never read into memory.
-        data = store.read_buffer(path, max_size=ref.size)
+        # An object larger than its reference says is never read into memory; the checksum
+        # (seeded with the path, as object_checksum) runs while the object is read.
+        data, crc = store.read_buffer_crc32c(path, max_size=ref.size, seed=crc32c_extend(0, path.encode()))
     except ObjectTooLargeError as e:
         raise CorruptChainError(f"{where}: size {e.size} differs from the committed {ref.size}") from None
     except FileNotFoundError:
@@ -222,7 +223,7 @@ def read_verified(store: Store, path: str, ref: ObjectRef, where: str, what: str
         raise CorruptChainError(f"{where}: expected a file, found a directory") from None
     if len(data) != ref.size:
         raise CorruptChainError(f"{where}: size {len(data)} differs from the committed {ref.size} (truncated?)")
-    if object_checksum(path, data) != ref.crc32c:
+    if f"{crc:08x}" != ref.crc32c:
         raise CorruptChainError(f"{where}: crc32c mismatch (the {what} was modified or damaged)")
     return data
 

@@ -673,3 +673,32 @@ def _no_leaked_threads() -> Iterator[None]:
     before = threading.active_count()
     yield
     assert threading.active_count() <= before, "a test left threads running"
+
+
+@pytest.mark.parametrize("size", [1000, (16 << 20) + 12345])
+def test_read_verified_catches_one_flipped_byte_in_any_piece(tmp_path: Path, size: int) -> None:
+    """An object of 16 MiB or more is checksummed piece by piece while it is read (on a helper
+    thread); a flipped byte in the first piece, a middle one or the tail still fails it."""
+    from ldformat.jsonvalue import object_checksum
+    from ldformat.log import read_verified
+    from ldformat.manifest import ObjectRef
+
+    path = "anchors/0-0123abcd.safetensors"
+    data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
+    ref = ObjectRef(path=path, size=size, crc32c=object_checksum(path, data))
+    store = LocalStore(tmp_path)
+    store.write(path, data.tobytes())
+    assert read_verified(store, path, ref, "here").tobytes() == data.tobytes()
+    for offset in (5, min(size - 2, (8 << 20) + 7), size - 1):
+        damaged = data.copy()
+        damaged[offset] ^= 1
+        (tmp_path / path).write_bytes(damaged.tobytes())
+        with pytest.raises(CorruptChainError, match="crc32c mismatch"):
+            read_verified(store, path, ref, "here")
+    # a store wrapped for fault injection reads through the same path, and its faults fire
+    (tmp_path / path).write_bytes(data.tobytes())
+    faulty = FaultyStore(store)
+    assert read_verified(faulty, path, ref, "here").tobytes() == data.tobytes()
+    faulty.fail("read_buffer")
+    with pytest.raises(OSError):
+        read_verified(faulty, path, ref, "here")

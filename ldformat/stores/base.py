@@ -53,6 +53,7 @@ from typing import TypeAlias
 import numpy as np
 
 from ..errors import CorruptChainError
+from ..jsonvalue import crc32c_extend
 
 #: Large objects are written in pieces of at most this size, each handed to writeback as
 #: soon as it is written (see :meth:`LocalStore._start_writeback`).
@@ -256,6 +257,14 @@ class Store(abc.ABC):
         if max_size is not None:
             refuse_larger(len(data), max_size)  # it grew between the two requests
         return data
+
+    def read_buffer_crc32c(self, path: str, max_size: int | None = None, seed: int = 0) -> tuple[np.ndarray, int]:
+        """:meth:`read_buffer`, and the crc32c of the object's bytes continued from ``seed`` (the
+        checksum a reader verifies before it parses anything, spec §7.6). A store that reads an
+        object in pieces computes it while the rest is read (``LocalStore``: on a helper thread,
+        for large objects); the default computes it after :meth:`read_buffer`."""
+        data = self.read_buffer(path, max_size)
+        return data, crc32c_extend(seed, data)
 
     @abc.abstractmethod
     def size(self, path: str) -> int:

@@ -272,6 +272,10 @@ class FaultyStore(Store):
     def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         return self._call("read_buffer", [check_relative_path(path)], lambda: self.inner.read_buffer(path, max_size))
 
+    def read_buffer_crc32c(self, path: str, max_size: int | None = None, seed: int = 0) -> tuple[np.ndarray, int]:
+        return self._call("read_buffer", [check_relative_path(path)],
+                          lambda: self.inner.read_buffer_crc32c(path, max_size, seed))
+
     def size(self, path: str) -> int:
         return self._call("size", [check_relative_path(path)], lambda: self.inner.size(path))
 

@@ -45,6 +45,9 @@ class PrefixedStore(Store):
     def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
         return self.inner.read_buffer(self._path(path), max_size)
 
+    def read_buffer_crc32c(self, path: str, max_size: int | None = None, seed: int = 0) -> tuple[np.ndarray, int]:
+        return self.inner.read_buffer_crc32c(self._path(path), max_size, seed)
+
     def size(self, path: str) -> int:
         return self.inner.size(self._path(path))
 

@@ -37,6 +37,7 @@ import numpy as np
 import pytest
 
 from ..errors import CorruptChainError
+from ..jsonvalue import crc32c_extend
 from ..stores.base import WRITEBACK_CHUNK, ObjectTooLargeError, Part, Store
 
 __all__ = ["UNSAFE_PATHS", "StoreContract"]
@@ -69,6 +70,7 @@ PRIMITIVES: dict[str, Callable[[Store, str], object]] = {
     "create_exclusive": lambda s, p: s.create_exclusive(p, b"data"),
     "read": lambda s, p: s.read(p),
     "read_buffer": lambda s, p: s.read_buffer(p),
+    "read_buffer_crc32c": lambda s, p: s.read_buffer_crc32c(p),
     "size": lambda s, p: s.size(p),
     "list": lambda s, p: s.list(p),
     "delete": lambda s, p: s.delete(p),
@@ -236,6 +238,20 @@ class StoreContract(Generic[StoreT]):
         with pytest.raises(FileNotFoundError):
             store.read_buffer("anchors/missing", max_size=10)
 
+    @pytest.mark.parametrize("size", [0, 1000, 17 << 20])
+    def test_read_buffer_crc32c_is_read_buffer_and_its_checksum(self, store: StoreT, size: int) -> None:
+        # 17 MiB: LocalStore checksums objects of 16 MiB or more piece by piece as it reads them
+        data, path, seed = payload(9, size), "anchors/9-0123abcd.safetensors", crc32c_extend(0, b"a seed")
+        store.write(path, data)
+        got, crc = store.read_buffer_crc32c(path, max_size=size, seed=seed)
+        assert got.dtype == np.uint8 and got.flags.writeable and got.tobytes() == data
+        assert crc == crc32c_extend(seed, data) and store.read_buffer_crc32c(path)[1] == crc32c_extend(0, data)
+        if size:
+            with pytest.raises(ObjectTooLargeError):
+                store.read_buffer_crc32c(path, max_size=size - 1)
+        with pytest.raises(FileNotFoundError):
+            store.read_buffer_crc32c("anchors/missing", max_size=10)
+
     def test_size_follows_the_content(self, store: StoreT) -> None:
         store.write("x/obj", b"12345")
         assert store.size("x/obj") == 5
@@ -257,7 +273,7 @@ class StoreContract(Generic[StoreT]):
     @pytest.mark.parametrize("path", ["missing", "log/000000000001.json", "no/such/dir/object"])
     def test_missing_objects_raise_file_not_found(self, store: StoreT, path: str) -> None:
         store.write("log/other", b"")
-        for name in ("read", "read_buffer", "size"):
+        for name in ("read", "read_buffer", "read_buffer_crc32c", "size"):
             with pytest.raises(FileNotFoundError):
                 PRIMITIVES[name](store, path)
         assert not store.exists(path)
@@ -267,7 +283,7 @@ class StoreContract(Generic[StoreT]):
     def test_a_directory_is_a_missing_object(self, store: StoreT) -> None:
         store.write("deltas/1-2-0123abcd/zarr.json", b"{}")
         for path in ("deltas", "deltas/1-2-0123abcd"):
-            for name in ("read", "read_buffer", "size"):
+            for name in ("read", "read_buffer", "read_buffer_crc32c", "size"):
                 with pytest.raises(FileNotFoundError):
                     PRIMITIVES[name](store, path)
             assert not store.exists(path)
@@ -277,7 +293,7 @@ class StoreContract(Generic[StoreT]):
     def test_a_path_below_an_object_is_a_missing_object(self, store: StoreT) -> None:
         store.write("ldformat.json", b"{}")
         for path in ("ldformat.json/x", "ldformat.json/x/y"):
-            for name in ("read", "read_buffer", "size"):
+            for name in ("read", "read_buffer", "read_buffer_crc32c", "size"):
                 with pytest.raises(FileNotFoundError):
                     PRIMITIVES[name](store, path)
             assert not store.exists(path)
