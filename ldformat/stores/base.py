@@ -14,7 +14,7 @@ The contract, for every backend:
   Directories are not objects: they are implied by the paths of the objects below them,
   never listed, and a path naming only a "directory" (``a`` while ``a/b`` exists) or lying
   below an object (``a/b`` while ``a`` is an object) behaves as a missing object for
-  :meth:`~Store.read`, :meth:`~Store.read_buffer`, :meth:`~Store.size`,
+  :meth:`~Store.read`, :meth:`~Store.read_buffer`, :meth:`~Store.read_buffer_crc32c`, :meth:`~Store.size`,
   :meth:`~Store.exists` and :meth:`~Store.delete`. A backend need not hold an object and
   another below it (``a`` and ``a/b``) at once; creating one while the other exists MAY
   fail with an :class:`OSError`, never with :class:`FileExistsError`. The format never
@@ -146,8 +146,9 @@ class Store(abc.ABC):
     record. Only the last call makes data visible to readers of the chain: objects written
     before it are unreferenced until a record names them.
 
-    Subclasses implement the abstract methods; :meth:`write_parts`, :meth:`read_buffer` and
-    :meth:`local_path` have defaults that a backend overrides when it can do better.
+    Subclasses implement the abstract methods; :meth:`write_parts`, :meth:`read_buffer`,
+    :meth:`read_buffer_crc32c` and :meth:`local_path` have defaults that a backend overrides
+    when it can do better.
     """
 
     @abc.abstractmethod
