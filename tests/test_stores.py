@@ -702,3 +702,22 @@ def test_read_verified_catches_one_flipped_byte_in_any_piece(tmp_path: Path, siz
     faulty.fail("read_buffer")
     with pytest.raises(OSError):
         read_verified(faulty, path, ref, "here")
+
+
+def test_a_local_store_subclass_that_overrides_read_buffer_sees_every_verified_read(tmp_path: Path) -> None:
+    from ldformat.jsonvalue import object_checksum
+    from ldformat.log import read_verified
+    from ldformat.manifest import ObjectRef
+
+    class Counting(LocalStore):
+        reads: list[str] = []
+
+        def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
+            self.reads.append(path)
+            return super().read_buffer(path, max_size)
+
+    path, data = "anchors/0-0123abcd.safetensors", np.arange((16 << 20) + 5, dtype=np.uint8)
+    store = Counting(tmp_path)
+    store.write(path, data.tobytes())
+    got = read_verified(store, path, ObjectRef(path=path, size=data.shape[0], crc32c=object_checksum(path, data)), "x")
+    assert np.array_equal(got, data) and store.reads == [path]

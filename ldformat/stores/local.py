@@ -335,6 +335,9 @@ class LocalStore(Store):
         return self._read(path, max_size, None)[0]
 
     def read_buffer_crc32c(self, path: str, max_size: int | None = None, seed: int = 0) -> tuple[np.ndarray, int]:
+        if type(self).read_buffer is not LocalStore.read_buffer:
+            # A subclass that reads its own way (instrumented, say): every read still goes through it.
+            return super().read_buffer_crc32c(path, max_size, seed)
         return self._read(path, max_size, seed)
 
     def _read(self, path: str, max_size: int | None, seed: int | None) -> tuple[np.ndarray, int]:
