@@ -438,9 +438,14 @@ def object_checksum(path: str, data: bytes | bytearray | memoryview | np.ndarray
     return object_checksum_parts(path, (data,))
 
 
+def object_checksum_seed(path: str) -> int:
+    """The crc32c an object's checksum continues from: that of its path (:func:`object_checksum`)."""
+    return crc32c_extend(0, path.encode())
+
+
 def object_checksum_parts(path: str, parts: Iterable[bytes | bytearray | memoryview | np.ndarray]) -> str:
     """:func:`object_checksum` of the object made of ``parts`` back to back, without joining them."""
-    crc = crc32c_extend(0, path.encode())
+    crc = object_checksum_seed(path)
     for part in parts:
         crc = crc32c_extend(crc, part)
     return f"{crc:08x}"

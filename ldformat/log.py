@@ -39,7 +39,7 @@ from .errors import (
     WriterIOError,
 )
 from .fold import ChainState, SegmentReader
-from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, crc32c_extend, parse_json
+from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, object_checksum_seed, parse_json
 from .manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, RootMetadata, Segment, SegmentRef
 from .stores import ObjectTooLargeError, Store
 
@@ -212,8 +212,8 @@ def read_verified(store: Store, path: str, ref: ObjectRef, where: str, what: str
     §7.6); ``where`` names it in errors, ``missing`` says what to do when it is gone."""
     try:
         # An object larger than its reference says is never read into memory; the checksum
-        # (seeded with the path, as object_checksum) runs while the object is read.
-        data, crc = store.read_buffer_crc32c(path, max_size=ref.size, seed=crc32c_extend(0, path.encode()))
+        # (object_checksum's) runs while the object is read.
+        data, crc = store.read_buffer_crc32c(path, max_size=ref.size, seed=object_checksum_seed(path))
     except ObjectTooLargeError as e:
         raise CorruptChainError(f"{where}: size {e.size} differs from the committed {ref.size}") from None
     except FileNotFoundError:

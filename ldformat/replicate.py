@@ -40,7 +40,7 @@ from .errors import (
     UsageError,
 )
 from .fold import ChainState
-from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum, object_checksum_parts
+from .jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum_parts, object_checksum_seed
 from .log import (
     LOCK_DIR,
     LOG_DIR,
@@ -750,7 +750,8 @@ class ChainSync:
         try:
             if self.dst.size(path) != ref.size:
                 return False
-            return object_checksum(path, self.dst.read_buffer(path)) == ref.crc32c
+            _, crc = self.dst.read_buffer_crc32c(path, seed=object_checksum_seed(path))
+            return f"{crc:08x}" == ref.crc32c
         except FileNotFoundError:
             return False
         except OSError as e:

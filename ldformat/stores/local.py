@@ -379,10 +379,10 @@ class LocalStore(Store):
                             behind.add(np.frombuffer(rest, np.uint8))
                         buf = np.concatenate([buf, np.frombuffer(rest, np.uint8)])
             finally:
-                crc = behind.finish() if behind is not None else 0
-        if seed is None:
-            return buf, 0
-        return buf, crc if behind is not None else crc32c_extend(seed, buf)
+                crc = behind.finish() if behind is not None else None
+        if crc is None and seed is not None:  # read in one piece: checksummed after
+            crc = crc32c_extend(seed, buf)
+        return buf, crc or 0
 
     def size(self, path: str) -> int:
         target = self._abs(path)
