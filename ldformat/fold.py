@@ -153,6 +153,12 @@ class StepMap(MutableMapping[int, V], Generic[V]):
         return max(candidates) if candidates else None
 
 
+def is_fence(record: Record) -> bool:
+    """Whether ``record`` is a fence record: an ``append`` with no anchor and no delta entry
+    (spec §15.3). Such a record commits nothing; it is never deleted (spec §7.5)."""
+    return record.type == "append" and not record.anchors and not record.deltas
+
+
 class ChainState:
     """The visible content of a chain after folding the log (spec §7.3)."""
 
@@ -176,6 +182,10 @@ class ChainState:
         self.read_segment = read_segment
         self.where = where  # how messages name the chain
         self.segments_loaded = 0  # segment objects read (not counting those handed to remember())
+        #: Whether each record this process folded or committed is a fence record (an empty
+        #: ``append``, spec §15.3), by number: fences are never deleted (spec §7.5), and a record
+        #: known here need not be read again to tell.
+        self.fences: dict[int, bool] = {}
         self._segment_cache: dict[str, Segment] = {}  # verified segments by path
         self._lock = threading.Lock()
 
@@ -264,6 +274,7 @@ class ChainState:
         else:
             self.tail_records += 1
             self.tail_bytes += size
+        self.fences[record.seq] = is_fence(record)
         for a in record.anchors:
             self.anchors[a.step] = a
         for d in record.deltas:

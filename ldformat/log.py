@@ -21,7 +21,9 @@ import os
 import re
 import secrets
 import socket
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -33,12 +35,13 @@ from .errors import (
     ChainLockedError,
     CorruptChainError,
     FormatError,
+    LdformatError,
     LockLostError,
     MissingObjectError,
     NotAChainError,
     WriterIOError,
 )
-from .fold import ChainState, SegmentReader
+from .fold import ChainState, SegmentReader, is_fence
 from .jsonvalue import MAX_LOCK_BYTES, MAX_RECORD_BYTES, MAX_ROOT_BYTES, canonical, object_checksum_seed, parse_json
 from .manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, RootMetadata, Segment, SegmentRef
 from .stores import ObjectTooLargeError, Store
@@ -178,11 +181,20 @@ def _read_log_once(store: Store, where: str) -> tuple[list[Record], ChainState]:
         )
     records: dict[int, Record] = {}
     sizes: dict[int, int] = {}
+    # Records created after the listing (or that a lagging listing left out) are found by
+    # name: the log is contiguous at its end, and a name read is never stale (spec §7.3).
+    while True:
+        try:
+            records[seqs[-1] + 1], sizes[seqs[-1] + 1] = _read_record_sized(store, seqs[-1] + 1, where)
+        except MissingLogRecord:
+            break
+        seqs.append(seqs[-1] + 1)
     # Find the newest snapshot by reading from the end; records before it are superseded.
     start_index = 0
     for i in range(len(seqs) - 1, -1, -1):
-        rec, sizes[seqs[i]] = _read_record_sized(store, seqs[i], where)
-        records[seqs[i]] = rec
+        if seqs[i] not in records:
+            records[seqs[i]], sizes[seqs[i]] = _read_record_sized(store, seqs[i], where)
+        rec = records[seqs[i]]
         if rec.type == "snapshot":
             start_index = i
             break
@@ -264,6 +276,27 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]": the namespace's identity
+    except OSError:
+        return None
+
+
+#: What makes a pid meaningful here (spec §15.2): the kernel's boot and this process's PID
+#: namespace. A holder recorded with other values runs elsewhere, or before a reboot.
+BOOT_ID = _read_text("/proc/sys/kernel/random/boot_id")
+PID_NAMESPACE = _pid_namespace()
+
+
 def _alive(pid: int, start: str | None) -> bool:
     try:
         os.kill(pid, 0)
@@ -288,6 +321,11 @@ class LockOwner:
     start_time: str | None
     token: str
     lease_s: float | None = None  # held only: the holder renews within this many seconds (§15.6)
+    #: Held only: whether the generation before it was held by another holder (a takeover,
+    #: spec §15.3). Such a generation is never deleted; None where the file does not say.
+    takeover: bool | None = None
+    boot_id: str | None = None  # held only: the holder's kernel boot (spec §15.2)
+    pid_namespace: str | None = None  # held only: the holder's PID namespace (spec §15.2)
 
     @classmethod
     def parse(cls, data: bytes, generation: int, where: str) -> LockOwner | None:
@@ -313,7 +351,10 @@ class LockOwner:
             or not (start is None or isinstance(start, str))
         ):
             return None
-        return cls(generation, "held", host, pid, start, d["token"], None if lease is None else float(lease))
+        takeover, boot, ns = d.get("takeover"), d.get("boot_id"), d.get("pid_namespace")
+        return cls(generation, "held", host, pid, start, d["token"], None if lease is None else float(lease),
+                   takeover if isinstance(takeover, bool) else None,
+                   boot if isinstance(boot, str) else None, ns if isinstance(ns, str) else None)
 
     def describe(self) -> str:
         lease = "" if self.lease_s is None else f", lease {self.lease_s:g} s"
@@ -326,10 +367,15 @@ class WriterLock:
     The lock is a sequence of generations ``lock/<generation>.json``, each created
     exclusively. The newest generation is the lock's state: *held* by a writer, or
     *released*. Taking the lock creates the next generation, so of any number of processes
-    taking over the same stale lock exactly one succeeds. A writer checks before each commit
-    and before deleting anything that no newer generation exists; a takeover of a held lock
-    also commits a fence record (:func:`fence`), so a writer that lost its lock can never
-    commit again: its next record number already exists.
+    taking over the same stale lock exactly one succeeds. A takeover also commits a fence
+    record (:func:`fence`), so a writer that lost its lock can never commit again: its next
+    record number exists, and fence records are never deleted. Before deleting anything a
+    writer checks that generation ``own + 1`` does not exist: the generation a takeover
+    creates is never deleted either, so a superseded holder always finds it, however long it
+    was paused (spec §15.4).
+
+    With a lease, a thread renews it every quarter lease while the lock is held (spec §15.6),
+    so a training step or a compaction longer than the lease does not let a taker in.
     """
 
     def __init__(self, store: Store, where: str, owner: LockOwner, previous: LockOwner | None,
@@ -345,7 +391,14 @@ class WriterLock:
         #: operations it runs under the lock).
         self.fenced = False
         self.released = False
+        #: Set when a renewal found the lock taken over; every later check raises it.
+        self.lost: LockLostError | None = None
         self._renewed = time.monotonic()
+        # Renewal (a thread) and the holder's checks and release never interleave: a check
+        # between a renewal's create and its update of ``owner`` would see "a newer generation".
+        self._mutex = threading.RLock()
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
 
     @property
     def generation(self) -> int:
@@ -353,13 +406,14 @@ class WriterLock:
 
     @classmethod
     def acquire(cls, store: Store, where: str, *, break_lock: bool = False, wait_s: float = 0.0,
-                lease_s: float | None = None) -> WriterLock:
+                lease_s: float | None = None, renew: bool = True) -> WriterLock:
         """Take the lock, or raise :class:`ChainLockedError` naming the live holder.
 
         A holder on this host is live while its process runs. A holder on another host is
         live while it renews its lease: with ``wait_s`` > 0 this call watches the newest
         generation for up to ``wait_s`` seconds and takes the lock over once it went a whole
-        lease unrenewed by this process's own clock (spec §15.6).
+        lease unrenewed by this process's own clock (spec §15.6). ``renew``: renew the lease
+        from a thread until :meth:`release` (or until the lock is lost).
         """
         _refuse_live_legacy_lock(store, where, break_lock)
         lease = LEASE_S if lease_s is None else lease_s
@@ -367,7 +421,10 @@ class WriterLock:
         first_seen: dict[int, float] = {}
         attempts = 0
         while True:
-            generations = numbered(store, LOCK_DIR, _LOCK_NAME)
+            try:
+                generations = numbered(store, LOCK_DIR, _LOCK_NAME)
+            except OSError as e:
+                raise io_error(f"{where}/{LOCK_DIR}: cannot list the writer lock", e) from None
             current: LockOwner | None = None
             if generations:
                 g = generations[-1]
@@ -380,7 +437,7 @@ class WriterLock:
                     continue  # a stale listing; look again
                 seen = first_seen.setdefault(g, time.monotonic())
                 if current.state == "held" and _live(current) and not break_lock:
-                    expired = current.host != socket.gethostname() and current.lease_s is not None and (
+                    expired = not _this_host(current) and current.lease_s is not None and (
                         time.monotonic() - seen >= current.lease_s)
                     if not expired:
                         waited = time.monotonic() - started
@@ -393,8 +450,9 @@ class WriterLock:
                             "if that writer is known to be gone"
                         )
             generation = (generations[-1] if generations else 0) + 1
+            took_over = current is not None and current.state == "held"
             owner = LockOwner(generation, "held", socket.gethostname(), os.getpid(), _start_time(os.getpid()),
-                              secrets.token_hex(8), lease)
+                              secrets.token_hex(8), lease, took_over, BOOT_ID, PID_NAMESPACE)
             try:
                 store.create_exclusive(lock_path(generation), _lock_bytes(owner))
             except FileExistsError:
@@ -406,43 +464,88 @@ class WriterLock:
                 continue  # another process took this generation: look at who holds it now
             except OSError as e:
                 raise io_error(f"{where}/{lock_path(generation)}: cannot take the writer lock", e) from None
-            took_over = current is not None and current.state == "held"
-            return cls(store, where, owner, current, took_over)
+            lock = cls(store, where, owner, current, took_over)
+            if renew:
+                lock.start_renewal()
+            return lock
+
+    def start_renewal(self) -> None:
+        """Renew the lease from a daemon thread every quarter lease until released or lost.
+
+        The thread holds the lock only weakly: a lock nobody references any more (an
+        abandoned writer) stops being renewed, and its lease runs out.
+        """
+        if self.owner.lease_s is None or self._renewer is not None:
+            return
+        ref = weakref.ref(self)
+        stop, period = self._stop, self.owner.lease_s / 4
+
+        def run() -> None:
+            while not stop.wait(period):
+                lock = ref()
+                if lock is None:
+                    return
+                try:
+                    lock.renew_if_due()
+                except (LockLostError, WriterIOError):
+                    return  # the holder meets it at its next check or commit
+                except Exception:  # noqa: BLE001 - a renewal thread must never die noisily
+                    return
+                finally:
+                    del lock
+
+        self._renewer = threading.Thread(target=run, name=f"ldformat-lease {self.where}", daemon=True)
+        self._renewer.start()
+
+    def stop_renewal(self) -> None:
+        self._stop.set()
 
     def renew_if_due(self) -> None:
-        """Renew the lease by creating the next generation with the same token (spec §15.6).
-
-        Called before each commit; a writer that commits less often than every half lease
-        may lose its lock to a waiting taker, and then fails cleanly at its next commit.
-        """
-        if self.owner.lease_s is None or time.monotonic() - self._renewed < self.owner.lease_s / 2:
-            return
-        self.check()
-        nxt = LockOwner(self.generation + 1, "held", self.owner.host, self.owner.pid, self.owner.start_time,
-                        self.owner.token, self.owner.lease_s)
-        create_or_lose(self.store, lock_path(nxt.generation), _lock_bytes(nxt), self.where,
-                        "another process took over this writer's lock while renewing its lease",
-                        "cannot renew the writer lock")
-        previous, self.owner, self._renewed = self.owner.generation, nxt, time.monotonic()
-        try:
-            self.store.delete(lock_path(previous))  # our own, superseded generation: garbage
-        except OSError:
-            pass
+        """Renew the lease by creating the next generation with the same token (spec §15.6),
+        once half a lease has passed since the last renewal."""
+        with self._mutex:
+            if (self.released or self.owner.lease_s is None
+                    or time.monotonic() - self._renewed < self.owner.lease_s / 2):
+                return
+            self.check()
+            nxt = dataclasses.replace(self.owner, generation=self.owner.generation + 1, takeover=False)
+            try:
+                create_or_lose(self.store, lock_path(nxt.generation), _lock_bytes(nxt), self.where,
+                               "another process took over this writer's lock while renewing its lease",
+                               "cannot renew the writer lock")
+            except LockLostError as e:
+                self.lost = e
+                self._stop.set()
+                raise
+            previous, self.owner, self._renewed = self.owner, nxt, time.monotonic()
+        if previous.takeover is False:
+            # Our own superseded generation, which no other holder checks (the one before it was
+            # ours or released). A takeover's generation stays: its predecessor's holder checks it.
+            try:
+                self.store.delete(lock_path(previous.generation))
+            except OSError:
+                pass
 
     def check(self) -> None:
         """Raise :class:`LockLostError` if another process took the lock over since."""
-        if self.released:
-            raise LockLostError(f"{self.where}: this writer released its lock")
-        try:
-            newer = self.store.exists(lock_path(self.generation + 1))
-        except OSError as e:
-            raise io_error(f"{self.where}/{lock_path(self.generation + 1)}: cannot check the writer lock", e) from None
-        if newer:
-            raise LockLostError(
-                f"{self.where}: another process took over this writer's lock (generation "
-                f"{self.generation} is superseded); this writer stops and deletes nothing. "
-                "Re-open the chain to continue"
-            )
+        with self._mutex:
+            if self.released:
+                raise LockLostError(f"{self.where}: this writer released its lock")
+            if self.lost is not None:
+                raise self.lost
+            nxt = lock_path(self.generation + 1)
+            try:
+                newer = self.store.exists(nxt)
+            except OSError as e:
+                raise io_error(f"{self.where}/{nxt}: cannot check the writer lock", e) from None
+            if newer:
+                self.lost = LockLostError(
+                    f"{self.where}: another process took over this writer's lock (generation "
+                    f"{self.generation} is superseded); this writer stops and deletes nothing. "
+                    "Re-open the chain to continue"
+                )
+                self._stop.set()
+                raise self.lost
 
     def release(self) -> bool:
         """Release by creating the next generation as ``released`` (if still the holder).
@@ -451,17 +554,19 @@ class WriterLock:
         held by this process, which a later taker sees as live while it runs. Never raises:
         a release runs on every way out, errors included.
         """
-        if self.released:
+        self._stop.set()
+        with self._mutex:
+            if self.released:
+                return True
+            self.released = True
+            marker = LockOwner(self.generation + 1, "released", None, None, None, self.owner.token)
+            try:
+                self.store.create_exclusive(lock_path(marker.generation), _lock_bytes(marker))
+            except FileExistsError:
+                pass  # taken over meanwhile: nothing of ours to release
+            except OSError:
+                return False
             return True
-        self.released = True
-        marker = LockOwner(self.generation + 1, "released", None, None, None, self.owner.token)
-        try:
-            self.store.create_exclusive(lock_path(marker.generation), _lock_bytes(marker))
-        except FileExistsError:
-            pass  # taken over meanwhile: nothing of ours to release
-        except OSError:
-            return False
-        return True
 
 
 def _read_lock(store: Store, generation: int, where: str) -> LockOwner:
@@ -487,14 +592,30 @@ def _lock_bytes(owner: LockOwner) -> bytes:
         d.update(host=owner.host, pid=owner.pid, start_time=owner.start_time, since=time.time())
         if owner.lease_s is not None:
             d["lease_s"] = owner.lease_s
+        if owner.takeover is not None:
+            d["takeover"] = owner.takeover
+        if owner.boot_id is not None:
+            d["boot_id"] = owner.boot_id
+        if owner.pid_namespace is not None:
+            d["pid_namespace"] = owner.pid_namespace
     return json.dumps(d, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+
+
+def _this_host(owner: LockOwner) -> bool:
+    """Whether ``owner``'s pid names a process this one can see (spec §15.2): the same host
+    name, and, where the generation records them, the same boot and PID namespace. A holder
+    in another container with the same host name, or on another machine of that name, is
+    another host's."""
+    return (owner.host == socket.gethostname()
+            and (owner.boot_id is None or owner.boot_id == BOOT_ID)
+            and (owner.pid_namespace is None or owner.pid_namespace == PID_NAMESPACE))
 
 
 def _live(owner: LockOwner) -> bool:
     """Whether a held lock's writer may still run: on another host we cannot tell, so yes."""
     if owner.host is None or owner.pid is None:
         return False  # unparseable: stale by definition (spec §15.2)
-    if owner.host != socket.gethostname():
+    if not _this_host(owner):
         return True
     return _alive(owner.pid, owner.start_time)
 
@@ -579,7 +700,8 @@ def commit_record(
             "accept (spec §6.4); commit fewer steps per record, or compact with keep_last to shorten the chain"
         )
     create_or_lose(store, path, data, where, "another writer committed this record",
-                    "cannot create the commit record; the chain is unchanged")
+                   "cannot create the commit record, which may or may not exist now (the next open "
+                   f"of the chain decides); nothing after record {record.seq - 1} is known to be durable")
     # The bytes are this call's own canonical serialization: the record as built, with the
     # checksum computed over them; it is not parsed back (a snapshot can be large).
     record = dataclasses.replace(record, checksum=str(doc["checksum"]))
@@ -587,17 +709,18 @@ def commit_record(
     return record
 
 
-def delete_superseded(store: Store, where: str, lock: WriterLock, seqs: range) -> None:
+def delete_superseded(store: Store, where: str, lock: WriterLock, seqs: range, state: ChainState) -> None:
     """Delete the records ``seqs``, which a snapshot committed by the holder of ``lock``
-    supersedes (garbage, spec §7.5); a record already gone is skipped.
+    supersedes (garbage, spec §7.5), except fence records; a record already gone is skipped.
 
     The names are known without listing, so the lock is checked once, before the first
     deletion: a newer holder may have written records since, but never under these numbers.
     """
-    if not seqs:
+    doomed = [seq for seq in seqs if not _keeps_fence(store, seq, state)]
+    if not doomed:
         return
     lock.check()
-    for seq in seqs:
+    for seq in doomed:
         try:
             store.delete(log_path(seq))
         except FileNotFoundError:
@@ -618,12 +741,29 @@ def create_or_lose(store: Store, path: str, data: bytes, where: str, lost: str, 
         raise io_error(f"{where}/{path}: {failed}", e) from None
 
 
+#: Fence attempts before a taker gives up: each failed one means the old holder committed
+#: once more, into the chain, and the taker folds again.
+FENCE_ATTEMPTS = 8
+
+
 def fence(store: Store, where: str, state: ChainState, lock: WriterLock) -> None:
     """After taking over a held lock, commit an empty record so that the old holder, should it
-    still run, can never commit again (its next record number now exists). Spec §15.3."""
-    if lock.took_over and not lock.fenced:
-        commit_record(store, where, state, lock, type="append", reason="takeover")
+    still run, can never commit again: its next record number now exists, and fence records
+    are never deleted (spec §15.3). If the old holder created that number first, its record
+    is part of the chain: fold again and fence after it."""
+    if not lock.took_over or lock.fenced:
+        return
+    for attempt in range(FENCE_ATTEMPTS):
+        try:
+            commit_record(store, where, state, lock, type="append", reason="takeover")
+        except LockLostError:
+            lock.check()  # superseded ourselves: stop; else the old holder committed meanwhile
+            if attempt == FENCE_ATTEMPTS - 1:
+                raise
+            _, state = read_log(store, where)
+            continue
         lock.fenced = True
+        return
 
 
 def open_log_for_write(store: Store, where: str, lock: WriterLock) -> tuple[list[Record], ChainState]:
@@ -633,6 +773,32 @@ def open_log_for_write(store: Store, where: str, lock: WriterLock) -> tuple[list
         fence(store, where, state, lock)
         records, state = read_log(store, where)
     return records, state
+
+
+#: A fence record is a few hundred bytes: a larger record below a fold's start is no fence and
+#: is not read whole to tell.
+MAX_FENCE_BYTES = 4096
+
+
+def _keeps_fence(store: Store, seq: int, state: ChainState) -> bool:
+    """Whether record ``seq``, below the fold's start, is a fence record and must stay (spec §7.5).
+
+    Records this process folded are known; others are read, at most :data:`MAX_FENCE_BYTES`
+    of them. One that is gone, too large or unparseable is no fence.
+    """
+    known = state.fences.get(seq)
+    if known is not None:
+        return known
+    path = log_path(seq)
+    try:
+        data = store.read_buffer(path, max_size=MAX_FENCE_BYTES).tobytes()
+        record = Record.from_bytes(data, path)
+    except (ObjectTooLargeError, FileNotFoundError, LdformatError):
+        return False
+    except OSError as e:
+        raise io_error(f"{state.where or path}: cannot read superseded record {path}", e) from None
+    state.fences[seq] = keep = record.seq == seq and is_fence(record)
+    return keep
 
 
 # -- garbage ----------------------------------------------------------------------------------
@@ -653,15 +819,49 @@ def garbage(store: Store, state: ChainState, lock: WriterLock | None = None) -> 
         for p in store.list(LOCK_DIR):
             name = p.split("/", 1)[1]
             m = _TMP_NAME.match(name)
-            g = _seq_of(m.group(1)) if m else _seq_of(name)
-            if g is not None and g < lock.generation:
+            if m:
+                g = _seq_of(m.group(1))
+                if g is not None and g < lock.generation:
+                    out.append(p)
+            elif (g := _seq_of(name)) is not None and g < lock.generation and not _keeps_generation(store, g):
                 out.append(p)
         if store.exists(LEGACY_LOCK_FILE):
             out.append(LEGACY_LOCK_FILE)
     if store.exists(ROOT_FILE):
         out += [p for p in store.list("") if "/" not in p and p.startswith(f".tmp-{ROOT_FILE}-")]
-    out += [log_path(s) for s in log_sequence_numbers(store) if s < state.first_seq]
+    out += [log_path(s) for s in log_sequence_numbers(store) if s < state.first_seq
+            and not _keeps_fence(store, s, state)]
     return out
+
+
+def _keeps_generation(store: Store, generation: int) -> bool:
+    """Whether lock generation ``generation`` must stay (spec §7.5): one that took the lock over
+    from another holder, whose holder checks for it; or a held one that does not say (an older
+    writer's). Released generations, renewals and unparseable files (which no holder wrote)
+    go."""
+    try:
+        owner = _read_lock(store, generation, "")
+    except FileNotFoundError:
+        return False
+    return owner.state == "held" and owner.host is not None and owner.takeover is not False
+
+
+def _check_log_ends(store: Store, state: ChainState, where: str) -> None:
+    """Refuse to delete on a fold that is not the newest: record ``last + 1`` exists (spec §7.5).
+
+    Read by name, which no stale listing can hide: the fold may have come from a listing that
+    lagged behind the log, and what such a fold does not reference is not garbage.
+    """
+    nxt = log_path(state.last_seq + 1)
+    try:
+        newer = store.exists(nxt)
+    except OSError as e:
+        raise io_error(f"{where}/{nxt}: cannot check the end of the log", e) from None
+    if newer:
+        raise LockLostError(
+            f"{where}/{nxt}: the log has a record after this writer's fold (record {state.last_seq}); "
+            "the listing it folded was stale, or another process committed. This process stops and "
+            "deletes nothing; re-open the chain to continue")
 
 
 def _seq_of(name: str) -> int | None:
@@ -678,6 +878,7 @@ def collect_garbage(store: Store, state: ChainState, lock: WriterLock, where: st
     """
     paths = garbage(store, state, lock)
     lock.check()
+    _check_log_ends(store, state, where)
     for p in paths:
         try:
             store.delete(p)

@@ -70,6 +70,8 @@ from .log import (
     commit_record,
     create_root,
     delete_superseded,
+    io_error,
+    lock_path,
     now,
     open_log_for_write,
     read_root,
@@ -304,15 +306,21 @@ class ChainWriter:
                 owned_dir = None if p.exists() else p
                 make_directory(p)
                 store = LocalStore(p)
-        if store.exists(ROOT_FILE):
+        try:
+            exists = store.exists(ROOT_FILE)
+            if not exists:
+                _check_empty_or_unfinished(store, where)
+        except OSError as e:
+            _remove_creation(store, owned_dir)
+            raise io_error(f"{where}: cannot look at the location to create a chain", e) from None
+        if exists:
             raise ChainExistsError(f"{where}: already holds a chain; use ChainWriter.open to append")
-        _check_empty_or_unfinished(store, where)
         try:
             lock = WriterLock.acquire(store, where)
         except ChainLockedError as e:
             raise ChainLockedError(f"{e} (another process is creating a chain here)") from None
         except BaseException:
-            _remove_creation(store, owned_dir, everything=False)
+            _remove_creation(store, owned_dir)
             raise
         try:
             _remove_unfinished_creation(store, where, lock)
@@ -324,7 +332,7 @@ class ChainWriter:
                          optimizer=optimizer, compressor=compressor, batch_steps=batch_steps,
                          anchor_every=anchor_every, capture_hook=capture_hook)
         except BaseException:
-            _remove_creation(store, owned_dir)
+            _undo_creation(store, owned_dir, lock, [])
             raise
         writer._pending_root = root  # created after record 1: a root always has a log (spec §7.4)
         try:
@@ -333,9 +341,10 @@ class ChainWriter:
             writer._reset_xor_base_from_live()
             writer.write_anchor(step)
         except BaseException:
+            written = list(writer._written)
+            writer._lock = None  # released (or not) by _undo_creation
             writer.abort()
-            if not store.exists(ROOT_FILE):  # a refused or failed creation leaves nothing behind
-                _remove_creation(store, owned_dir)
+            _undo_creation(store, owned_dir, lock, written)
             raise
         return writer
 
@@ -766,6 +775,8 @@ class ChainWriter:
             self.store, self.path, self._state, self._lock, type="append", reason="create" if creating else "append",
             anchors=self._pending_anchors, deltas=self._pending_deltas))
         if self._pending_root is not None:
+            assert self._lock is not None
+            self._io(ROOT_FILE, self._lock.check)  # a creation taken over meanwhile creates no root
             self._io(ROOT_FILE, create_root, self.store, self._pending_root, self.path)
             self._pending_root = None
         self.commits += 1
@@ -817,7 +828,7 @@ class ChainWriter:
             self.store, self.path, state, lock, reason="snapshot", segmented=self._segmented))
         self.snapshots += 1
         self._io("superseded records", delete_superseded, self.store, self.path, lock,
-                 range(self._superseded_from, previous_start))
+                 range(self._superseded_from, previous_start), state)
         self._superseded_from = max(self._superseded_from, previous_start)
 
     def keep_budget(self) -> None:
@@ -978,20 +989,44 @@ def _remove_unfinished_creation(store: Store, where: str, lock: WriterLock) -> N
         store.delete(p)
 
 
-def _remove_creation(store: Store, owned_dir: Path | None, *, everything: bool = True) -> None:
-    """Undo a creation that failed before its root existed: nothing is left on disk.
-
-    Only the lock holder removes files (``everything``); without the lock only a directory
-    this call created, if it is still empty, is removed.
-    """
+def _remove_creation(store: Store, owned_dir: Path | None) -> None:
+    """Remove the directory a creation that never took the lock made, if it is still empty."""
     try:
-        if everything:
-            for p in store.list(""):
-                store.delete(p)
         if owned_dir is not None:
             owned_dir.rmdir()
     except OSError:
+        pass
+
+
+def _undo_creation(store: Store, owned_dir: Path | None, lock: WriterLock, written: list[str]) -> None:
+    """Undo a creation that failed before its root existed, deleting only what it wrote itself.
+
+    Nothing is deleted once another process took the lock over (it may be creating the chain
+    now), and never a name another process could reuse: the objects written have fresh names;
+    record 1, if it exists, stays as an unfinished creation that the next creator reclaims
+    (spec §7.4). The lock's own generations go too when no other holder checks them (this
+    creation took over nobody), so that a refused creation leaves nothing behind.
+    """
+    try:
+        if store.exists(ROOT_FILE):
+            lock.release()
+            return
+        lock.check()
+    except (LdformatError, OSError):
+        return  # taken over, or unreachable: touch nothing, keep the lock as it is
+    try:
+        for p in written:
+            store.delete(p)
+    except OSError:
         pass  # best effort: what is left is an unfinished creation, which create() reclaims
+    mine = lock.generation
+    if lock.release() and lock.owner.takeover is False and lock.previous is None:
+        try:
+            for g in (mine, mine + 1):  # ours and the release: a taker starts again from nothing
+                store.delete(lock_path(g))
+        except OSError:
+            pass
+    _remove_creation(store, owned_dir)
 
 
 def refuse_tensor_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> None:
