@@ -64,6 +64,18 @@ def open_store(path: str | os.PathLike[str], store: Store | None,
     return LocalStore(p)
 
 
+#: The root file of a sharded chain (``ldformat.sharded.SHARDED_ROOT``, spec §20), named here
+#: because that module builds on this one.
+SHARDED_ROOT_FILE = "sharded.json"
+
+
+def _holds_sharded_root(store: Store) -> bool:
+    try:
+        return store.exists(SHARDED_ROOT_FILE)
+    except OSError:
+        return False
+
+
 def chain_name(path: str | os.PathLike[str], store: Store | None) -> str:
     """How messages name the chain: ``path`` as given (a label when ``store`` is given), a URL
     without its trailing ``/``."""
@@ -96,7 +108,15 @@ class ChainReader:
         self.path = chain_name(path, store)
         self.replay_device = torch.device(replay_device) if replay_device is not None else torch.device("cpu")
         self.store = open_store(path, store, storage_options)
-        self.root: RootMetadata = read_root(self.store, self.path)
+        try:
+            self.root: RootMetadata = read_root(self.store, self.path)
+        except NotAChainError:
+            if _holds_sharded_root(self.store):
+                raise NotAChainError(
+                    f"{self.path}: a sharded chain (spec §20: {SHARDED_ROOT_FILE}, one chain per rank), which "
+                    "ChainReader does not read; open it with ldformat.open_reader(path), which reads both kinds, "
+                    "or read one rank's chain with ChainReader(path + '/ranks/00000')") from None
+            raise
         self._warned_env = False
         self.refresh()
 

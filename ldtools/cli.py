@@ -26,14 +26,30 @@ from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-import ldformat
-from ldformat import ChainLockedError, ChainReader, LdformatError, NotAChainError, UsageError
-from ldformat.errors import OutputWriteError
+import ldformat  # light: its public names are imported on first use (torch and zarr with them)
+from ldformat.errors import (
+    ChainLockedError,
+    LdformatError,
+    NotAChainError,
+    OutputWriteError,
+    UsageError,
+)
 
+from .consent import (
+    BREAK_LOCK_HELP,
+    YES_HELP,
+    confirm,
+    refuse_break_lock_without_consent,
+    refuse_without_terminal,
+    with_lock,
+)
 from .progress import PROGRESS_ENV, ProgressBar, human_bytes, progress_wanted
+from .threads import THREADS, replay_thread_count
 
 if TYPE_CHECKING:
     import torch
+
+    from ldformat import ChainReader, ShardedReader
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -263,9 +279,10 @@ def cli(debug: bool) -> None:
     """Inspect, materialize, validate and compact ldformat checkpoint chains.
 
     CHAIN is a directory or a URL: s3://bucket/prefix, gs://bucket/prefix,
-    az://account/container/prefix, http(s)://host/prefix (pip install 'ldformat[s3]'),
-    configured by each cloud's environment variables (AWS_ENDPOINT_URL, AWS_REGION,
-    AWS_ACCESS_KEY_ID, GOOGLE_SERVICE_ACCOUNT, AZURE_STORAGE_ACCOUNT_NAME, ...).
+    az://container/prefix (the account in AZURE_STORAGE_ACCOUNT_NAME),
+    http(s)://host/prefix (pip install 'ldformat[s3]'), configured by each cloud's
+    environment variables (AWS_ENDPOINT_URL, AWS_REGION, AWS_ACCESS_KEY_ID,
+    AWS_ALLOW_HTTP=true for an http:// endpoint, GOOGLE_SERVICE_ACCOUNT, ...).
 
     An error is one line on stderr. Exit codes (spec section 18.1):
 
@@ -273,16 +290,23 @@ def cli(debug: bool) -> None:
       0    success
       1    a problem with the chain (corrupt, missing object, unsupported
            version, step not committed, I/O error on the chain)
-      2    usage error, or the path is not a chain
+      2    usage error, the path is not a chain, or a command that deletes
+           was not confirmed (no --yes, stdin not a terminal)
       3    the output file (or stdout) could not be written
       4    the chain is locked by another writer
       70   internal error (a bug in ldtools: please report it)
       130  interrupted, or a confirmation was declined
       141  stdout was closed (broken pipe)
 
+    Commands that delete ask first: truncate, compact with --keep-last or
+    --keep-every, and --break-lock. They ask on a terminal; with --yes they do not
+    ask; with neither (stdin is not a terminal) they change nothing and exit 2.
+    materialize replaces an existing output only with --force.
+
     materialize, validate, compact and sync draw a progress bar on stderr when
     stderr is a terminal (--progress/--no-progress, or LDTOOLS_PROGRESS=1 or 0,
-    change that); stdout never gets one.
+    change that); stdout never gets one. Commands that replay use the cores they
+    may run on less one (--threads, LDTOOLS_THREADS).
     """
     _Session.debug = _Session.debug or debug
 
@@ -383,7 +407,7 @@ def sharded_full_state(reader: ldformat.ShardedReader) -> dict[str, int]:
             "optimizer_bytes": sizes["optimizer/"]}
 
 
-_Reader = TypeVar("_Reader", ChainReader, ldformat.ShardedReader)
+_Reader = TypeVar("_Reader", "ChainReader", "ShardedReader")
 
 
 def _full_state_or_error(reader: _Reader, measure: Callable[[_Reader], dict[str, int]]
@@ -454,6 +478,7 @@ def _chain_info(reader: ChainReader, full: dict[str, int] | None, full_error: st
     n_deltas = len(state.deltas)
     full_bytes = full["bytes"] if full is not None else None
     total = reader.bytes_on_disk()
+    anchor_bytes = sum(a.object.size for _, a in anchors)
     steps = reader.steps
     return {
         "path": reader.path,
@@ -467,8 +492,9 @@ def _chain_info(reader: ChainReader, full: dict[str, int] | None, full_error: st
         "anchors": [s for s, _ in anchors],
         "commits": len(reader.records),
         "bytes_on_disk": total,
-        "anchor_bytes": sum(a.object.size for _, a in anchors),
+        "anchor_bytes": anchor_bytes,
         "delta_bytes": delta_bytes,
+        "log_bytes": total - anchor_bytes - delta_bytes,  # commit records and snapshot segments
         "delta_bytes_per_step": delta_bytes / n_deltas if n_deltas else None,
         "slot_encodings": dict(sorted(Counter(s.encoding for d in state.delta_entries() for s in d.slots).items())),
         "full_checkpoint_bytes": full_bytes,
@@ -542,15 +568,15 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool, lag: dict[str, 
           f"tensors ({human_bytes(data['sharded_model_bytes'])} of model state)")
     if data["steps"]:
         _echo(f"steps        {data['steps']} committed ({data['first_step']} .. {data['latest_step']}), "
-              f"{data['commits']} commit records")
+              f"{plural(data['commits'], 'commit record')}")
     else:
-        _echo(f"steps        none committed yet, {data['commits']} commit records")
+        _echo(f"steps        none committed yet, {plural(data['commits'], 'commit record')}")
     anchors = data["anchors"]
     shown = ", ".join(map(str, anchors[:10])) + (" ..." if len(anchors) > 10 else "")
     _echo(f"anchors      {len(anchors)}  [{shown}]  (anchors in every rank's chain)")
     if data["pending_steps"]:
         pending = data["pending_steps"]
-        _echo(f"pending      {len(pending)} step(s) some ranks hold beyond the last commit "
+        _echo(f"pending      {plural(len(pending), 'step')} some ranks hold beyond the last commit "
               f"({pending[0]}..{pending[-1]}); the next writer removes them")
     per_rank = data["bytes_per_rank"]
     copies = {int(r): src for r, src in data["copies"].items()}
@@ -561,7 +587,7 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool, lag: dict[str, 
         own = [n for r, n in enumerate(per_rank) if r not in copies]
         ranks = f"per rank {human_bytes(min(own))} .. {human_bytes(max(own))}"
         if copies:
-            ranks += f"; {len(copies)} copy ranks write none"
+            ranks += f"; {plural(len(copies), 'copy rank')} write none"
     _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  ({ranks})")
     full = data["full_checkpoint"]
     if data["full_checkpoint_bytes"] is not None:
@@ -576,7 +602,7 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool, lag: dict[str, 
         _echo(f"compression  {ratio:.1f}x smaller than a full checkpoint per step")
     elif ratio:
         _echo(f"compression  none yet: the chain takes {1 / ratio:.1f}x the bytes of a full checkpoint per step "
-              f"({data['steps']} step(s) so far)")
+              f"({plural(data['steps'], 'step')} so far)")
     _echo(f"rank chains  {data['path']}/ranks/<rank>: `ldtools info` or `ldtools log` of one shows that rank's chain")
     _echo_mirror_lag(data)
 
@@ -620,14 +646,16 @@ def mirror_lag(reader: ChainReader, mirror: str) -> dict[str, Any]:
     Raises:
         ReplicaDivergedError: ``mirror`` holds another chain.
     """
-    replica = ChainReader(mirror)
+    replica = ldformat.ChainReader(mirror)
     if replica.root.chain_id != reader.root.chain_id:
         raise ldformat.ReplicaDivergedError(
             f"{mirror}: holds another chain (chain_id {replica.root.chain_id}), not a replica of {reader.path} "
             f"(chain_id {reader.root.chain_id})")
     last_seq = replica.records[-1].seq if replica.records else 0
     missing = [(r.seq, r.time) for r in reader.records if r.seq > last_seq]
-    return _lag(reader.steps, replica.path, replica.latest_step, missing)
+    ours = reader.records[-1].seq if reader.records else 0
+    ahead = len([r for r in replica.records if r.seq > ours])
+    return _lag(reader.steps, replica.path, replica.latest_step, missing, ahead)
 
 
 def sharded_mirror_lag(reader: ldformat.ShardedReader, mirror: str) -> dict[str, Any]:
@@ -641,11 +669,15 @@ def sharded_mirror_lag(reader: ldformat.ShardedReader, mirror: str) -> dict[str,
                                             f"{reader.path} (chain_id {reader.root.chain_id})")
     last_seq = replica.commit.seq if replica.commit is not None else 0
     missing = [(c.seq, c.time) for c in read_commits(reader.store, reader.path) if c.seq > last_seq]
-    return _lag(reader.steps, replica.path, replica.latest_step, missing)
+    ours = reader.commit.seq if reader.commit is not None else 0
+    ahead = len([c for c in read_commits(replica.store, replica.path) if c.seq > ours])
+    return _lag(reader.steps, replica.path, replica.latest_step, missing, ahead)
 
 
-def _lag(steps: list[int], mirror: str, theirs: int | None, missing: list[tuple[int, str]]) -> dict[str, Any]:
-    """The lag of a replica at ``theirs`` that lacks the records ``missing`` (number, time)."""
+def _lag(steps: list[int], mirror: str, theirs: int | None, missing: list[tuple[int, str]],
+         ahead: int) -> dict[str, Any]:
+    """The lag of a replica at ``theirs`` that lacks the records ``missing`` (number, time) and
+    holds ``ahead`` records the chain lacks."""
     age = None
     if missing:
         import datetime as dt
@@ -654,7 +686,8 @@ def _lag(steps: list[int], mirror: str, theirs: int | None, missing: list[tuple[
         age = max(0.0, (dt.datetime.now(dt.timezone.utc) - oldest).total_seconds())
     return {"mirror": mirror, "mirror_latest_step": theirs,
             "lag_steps": len([s for s in steps if theirs is None or s > theirs]),
-            "lag_records": len(missing), "lag_seconds": 0.0 if age is None else round(age, 3)}
+            "lag_records": len(missing), "lag_seconds": 0.0 if age is None else round(age, 3),
+            "ahead_records": ahead}
 
 
 @cli.command()
@@ -662,8 +695,9 @@ def _lag(steps: list[int], mirror: str, theirs: int | None, missing: list[tuple[
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 @click.option("--mirror", "mirror", default=None, metavar="URL",
               help="Also say how far this replica of the chain (ldtools sync, Checkpointer(mirror=)) lags behind it.")
+@THREADS
 @errors_to_exit_codes
-def info(chain: str, as_json: bool, mirror: str | None) -> None:
+def info(chain: str, as_json: bool, mirror: str | None, threads: int | None) -> None:
     """Summarize a chain: steps, anchors, kind, bytes on disk, compression.
 
     "full state" is the size of one full checkpoint of the latest step (model, tied weights
@@ -677,16 +711,20 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
     PATH/ranks/00000` shows one rank's chain.
 
     With --mirror URL it also says how far that replica lags: the committed steps and commit
-    records it lacks, and how old the oldest commit it lacks is.
+    records it lacks, and how old the oldest commit it lacks is; or that it is ahead of this
+    chain, when it holds commits this chain does not.
 
+    \b
     Example: ldtools info runs/chain --json
     Example: ldtools info runs/chain --mirror s3://bucket/runs/chain
     """
     reader = ldformat.open_reader(chain)
     if isinstance(reader, ldformat.ShardedReader):
-        _sharded_info(reader, as_json, None if mirror is None else sharded_mirror_lag(reader, mirror))
+        with replay_thread_count(threads):
+            _sharded_info(reader, as_json, None if mirror is None else sharded_mirror_lag(reader, mirror))
         return
-    data = chain_info(reader)
+    with replay_thread_count(threads):
+        data = chain_info(reader)
     if mirror is not None:
         data["mirror"] = mirror_lag(reader, mirror)
     if as_json:
@@ -703,7 +741,7 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
     shown = ", ".join(map(str, anchors[:10])) + (" ..." if len(anchors) > 10 else "")
     _echo(f"anchors      {len(anchors)}  [{shown}]")
     _echo(f"on disk      {human_bytes(data['bytes_on_disk'])}  (anchors {human_bytes(data['anchor_bytes'])}, "
-          f"deltas {human_bytes(data['delta_bytes'])})")
+          f"deltas {human_bytes(data['delta_bytes'])}, log and segments {human_bytes(data['log_bytes'])})")
     full = data["full_checkpoint"]
     if data["full_checkpoint_bytes"] is not None:
         _echo(f"full state   {human_bytes(full['bytes'])} at step {full['step']} (model "
@@ -725,7 +763,7 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
         _echo(f"compression  {ratio:.1f}x smaller than a full checkpoint per step")
     elif ratio:
         _echo(f"compression  none yet: the chain takes {1 / ratio:.1f}x the bytes of a full checkpoint per step "
-              f"({data['steps']} step(s) so far)")
+              f"({plural(data['steps'], 'step')} so far)")
     policy = data["capture_policy"]
     if policy:
         line = f"policy       anchor_every={policy.get('anchor_every')} batch_steps={policy.get('batch_steps')}"
@@ -750,13 +788,22 @@ def info(chain: str, as_json: bool, mirror: str | None) -> None:
 
 def _echo_mirror_lag(data: dict[str, Any]) -> None:
     lag = data.get("mirror")
-    if lag is not None:
-        if lag["lag_records"] == 0:
-            _echo(f"mirror       {lag['mirror']}: up to date (step {lag['mirror_latest_step']})")
-        else:
-            _echo(f"mirror       {lag['mirror']}: {lag['lag_steps']} step(s) and {lag['lag_records']} commit record(s) "
-                  f"behind (at step {lag['mirror_latest_step']}; the oldest commit it lacks is "
-                  f"{lag['lag_seconds']:.1f} s old); `ldtools sync {data['path']} {lag['mirror']}` catches it up")
+    if lag is None:
+        return
+    behind, ahead = lag["lag_records"], lag["ahead_records"]
+    where = f"the mirror at step {lag['mirror_latest_step']}, this chain at step {data['latest_step']}"
+    if not behind and not ahead:
+        _echo(f"mirror       {lag['mirror']}: up to date (step {lag['mirror_latest_step']})")
+    elif not behind:
+        _echo(f"mirror       {lag['mirror']}: ahead of this chain: it holds {plural(ahead, 'commit record')} this "
+              f"chain lacks ({where}); `ldtools sync {lag['mirror']} {data['path']}` brings this chain up to it")
+    elif ahead:
+        _echo(f"mirror       {lag['mirror']}: diverged: it holds {plural(ahead, 'commit record')} this chain lacks, "
+              f"and lacks {behind} of this chain's ({where})")
+    else:
+        _echo(f"mirror       {lag['mirror']}: {plural(lag['lag_steps'], 'step')} and {plural(behind, 'commit record')} "
+              f"behind (at step {lag['mirror_latest_step']}; the oldest commit it lacks is "
+              f"{lag['lag_seconds']:.1f} s old); `ldtools sync {data['path']} {lag['mirror']}` catches it up")
 
 
 @cli.command()
@@ -775,6 +822,7 @@ def log(chain: str, as_json: bool, rank: int | None) -> None:
     committed once a record names it (or a later step) and every rank's chain holds it.
     --rank R lists rank R's own chain instead (the same as `ldtools log PATH/ranks/<R>`).
 
+    \b
     Example: ldtools log runs/chain
     """
     opened = ldformat.open_reader(chain)
@@ -1018,10 +1066,12 @@ def _progress_bar(show_progress: bool | None, labels: dict[str, str], byte_stage
 @click.option("--replay-device", default=None, metavar="DEVICE",
               help="Replay gradient deltas on this torch device (e.g. cuda) instead of the CPU: bit-exact for a "
                    "chain recorded on that device type (see `ldtools info`). The output holds CPU tensors.")
+@click.option("--force", is_flag=True, help="Replace an existing output file (or a non-empty dcp directory).")
+@THREADS
 @PROGRESS
 @errors_to_exit_codes
 def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimizer: bool,
-                replay_device: str | None, show_progress: bool | None) -> None:
+                replay_device: str | None, force: bool, threads: int | None, show_progress: bool | None) -> None:
     """Write the state of one step as a plain checkpoint.
 
     A .pt file holds {"model", "optimizer", "step", "extra"} and loads with
@@ -1037,6 +1087,10 @@ def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimize
     full unsharded state: model keys are the FQNs of the unwrapped model, and a .pt file also
     holds every rank's "rank_extra".
 
+    An existing output is refused (exit 2) unless --force is given; missing parent folders
+    of -o are created.
+
+    \b
     Example: ldtools materialize runs/chain --step 120 -o step120.pt
     """
     import safetensors.torch
@@ -1060,15 +1114,17 @@ def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimize
             _say(f"ldtools: note: {chain} is rank {parent[1]}'s chain of the sharded chain {parent[0]}: the output "
                  f"holds that rank's local shards only; materialize {parent[0]} for the full state")
     if fmt == "dcp":
-        from ldformat.dcp import export_dcp
-
-        with (_progress_bar(show_progress, {"": label}) as bar, _about_step(target, "materializing")):
-            written = export_dcp(reader, step, out, progress=bar)
+        refuse_existing_output(out, force, directory=True)
+        with (replay_thread_count(threads), _progress_bar(show_progress, {"": label}) as bar,
+              _about_step(target, "materializing")):
+            written = _export_dcp(reader, step, out, bar, force)
         _echo(f"wrote step {written} to {out}/ (torch.distributed.checkpoint)")
         return
     what = f"step {target}" if target is not None else "the output"
     check_output(out, what)
-    with _progress_bar(show_progress, {"": label}) as bar, _about_step(target, "materializing"):
+    refuse_existing_output(out, force, directory=False)
+    with (replay_thread_count(threads), _progress_bar(show_progress, {"": label}) as bar,
+          _about_step(target, "materializing")):
         state = reader.materialize(step, progress=bar)
     if fmt == "safetensors":
         tensors, metadata = flatten_for_safetensors(state, with_optimizer)
@@ -1076,6 +1132,46 @@ def materialize(chain: str, step: int | None, out: Path, fmt: str, with_optimize
     else:
         size = write_output(out, what, lambda f, tmp: torch.save(state, f))
     _echo(f"wrote step {state['step']} to {out} ({human_bytes(size)})")
+
+
+def refuse_existing_output(out: Path, force: bool, *, directory: bool) -> None:
+    """Refuse (exit 2) to replace an existing output without ``--force``, before any replay.
+
+    A file is in the way of a file output if it exists at all; a dcp output (a directory) is
+    in the way unless it is an empty directory (which is written into).
+    """
+    if force or not os.path.lexists(out):
+        return
+    if directory and out.is_dir() and not any(out.iterdir()):
+        return
+    kind = "directory" if out.is_dir() and not out.is_symlink() else "file"
+    raise UsageError(f"{out}: the {kind} exists; pass --force to replace it, or choose another -o; nothing was "
+                     "written")
+
+
+def _export_dcp(reader: ChainReader | ShardedReader, step: int | None, out: Path, bar: ProgressBar,
+                force: bool) -> int:
+    """Write a dcp directory at ``out``; with ``force``, one already there is replaced once the
+    new one is complete (written beside it, then swapped in)."""
+    import shutil
+
+    from ldformat.dcp import export_dcp
+
+    if not (force and os.path.lexists(out) and (not out.is_dir() or any(out.iterdir()))):
+        return export_dcp(reader, step, out, progress=bar)
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent)) / out.name
+    try:
+        written = export_dcp(reader, step, fresh, progress=bar)
+        old = out.parent / f"{fresh.parent.name}-old"
+        os.replace(out, old)
+        os.replace(fresh, out)
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    finally:
+        shutil.rmtree(fresh.parent, ignore_errors=True)
+    return written
 
 
 def _replay_device(name: str | None) -> torch.device | None:
@@ -1101,27 +1197,30 @@ def _replay_device(name: str | None) -> torch.device | None:
                    "no anchor with a replay: with one anchor, or none reached by replay from another, --deep "
                    "checks nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@THREADS
 @PROGRESS
 @errors_to_exit_codes
-def validate(chain: str, deep: bool, strict: bool, as_json: bool, show_progress: bool | None) -> None:
+def validate(chain: str, deep: bool, strict: bool, as_json: bool, threads: int | None,
+             show_progress: bool | None) -> None:
     """Check every record and object of a chain. Exit 0 if valid, 1 if not.
 
     --deep also replays the deltas from each anchor to the next one and compares the result
     with that stored anchor, bit for bit; it says how many anchors it compared
     ("anchors_compared" in --json). --strict fails when that number is 0.
 
+    \b
     Example: ldtools validate runs/chain --deep
     """
     deep = deep or strict
     labels = {"objects": "checking objects", "replay": "replaying to anchors",
               "replicas": "comparing the ranks' copies"}
-    with _progress_bar(show_progress, labels) as bar:
+    with replay_thread_count(threads), _progress_bar(show_progress, labels) as bar:
         report = ldformat.validate(chain, deep=deep, progress=bar)
     world = _sharded_world_size(chain)
     compared = len(report.drift) if deep else None
     if strict and report.ok and not compared:
         report.problems.append(ldformat.Problem(report.path, None, (
-            f"--strict: the deep check compared no anchor with a replay ({len(report.anchors)} anchor(s), none "
+            f"--strict: the deep check compared no anchor with a replay ({plural(len(report.anchors), 'anchor')}, none "
             "reached by replaying deltas from another), so nothing showed that replay reproduces the stored "
             "state; validate again once the writer has stored a later anchor, or leave out --strict")))
     if as_json:
@@ -1133,98 +1232,165 @@ def validate(chain: str, deep: bool, strict: bool, as_json: bool, show_progress:
             if compared is None:
                 drift = ""
             elif compared:
-                drift = f", replay at {compared} anchors bit-exact"
+                drift = f", replay at {plural(compared, 'anchor')} bit-exact"
                 if world is not None:
-                    drift = f", replay bit-exact at {compared} rank-chain anchors"
+                    drift = f", replay bit-exact at {plural(compared, 'rank-chain anchor')}"
             else:
                 drift = ("; --deep compared no anchor with a replay (none is reached by replay from another), "
                          "so replay was not checked (--strict makes this an error)")
             if world is None:
-                _echo(f"ok: {report.steps} steps, {len(report.anchors)} anchors{drift}")
+                _echo(f"ok: {plural(report.steps, 'step')}, {plural(len(report.anchors), 'anchor')}{drift}")
             else:
-                where = f"{report.steps} committed steps" if deep else f"{len(report.anchors)} anchors"
-                _echo(f"ok: sharded chain of {world} ranks, {report.steps} committed steps, {len(report.anchors)} "
-                      f"anchors, the ranks' copies agree at {where}{drift}")
+                where = (plural(report.steps, "committed step") if deep
+                         else plural(len(report.anchors), "anchor"))
+                _echo(f"ok: sharded chain of {plural(world, 'rank')}, {plural(report.steps, 'committed step')}, "
+                      f"{plural(len(report.anchors), 'anchor')}, the ranks' copies agree at {where}{drift}")
         else:
-            _say(f"invalid: {len(report.problems)} problem(s)")
+            _say(f"invalid: {plural(len(report.problems), 'problem')}")
     if not report.ok:
         sys.exit(EXIT_PROBLEM)
 
 
 @cli.command()
 @CHAIN
-@click.option("--max-replay", type=click.IntRange(min=0), default=None,
+@click.option("--max-replay", type=click.IntRange(min=0), default=None, metavar="K",
               help="No step may need more than K deltas replayed; longer runs get new anchors.")
-@click.option("--keep-last", type=click.IntRange(min=1), default=None, help="Keep the newest N steps.")
-@click.option("--keep-every", type=click.IntRange(min=1), default=None, help="Also keep every M-th step.")
+@click.option("--keep-last", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Keep the newest N steps; remove older ones (asks first, see --yes).")
+@click.option("--keep-every", type=click.IntRange(min=1), default=None, metavar="M",
+              help="With retention, also keep every M-th step.")
 @click.option("--dry-run", is_flag=True,
               help="Print what the real run would do (the same counts and objects) without changing anything.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--yes", is_flag=True, help=YES_HELP)
+@click.option("--break-lock", is_flag=True, help=BREAK_LOCK_HELP)
+@THREADS
 @PROGRESS
 @errors_to_exit_codes
 def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_every: int | None,
-            dry_run: bool, as_json: bool, show_progress: bool | None) -> None:
+            dry_run: bool, as_json: bool, yes: bool, break_lock: bool, threads: int | None,
+            show_progress: bool | None) -> None:
     """Fold delta runs into anchors, apply retention and remove garbage.
 
     Crash-safe and idempotent; every step that stays materializes bit-identically. A sharded
     chain is compacted under every rank chain's lock with one plan, so that every rank chain
     keeps the same steps (spec section 20.8); one rank's chain on its own is refused (exit 2).
 
-    Example: ldtools compact runs/chain --max-replay 50 --keep-last 200 --keep-every 1000
+    Without --keep-last and --keep-every every step stays, and compact does not ask. With
+    them it removes committed steps: it asks on a terminal (showing how many), and without
+    a terminal it needs --yes (else it changes nothing and exits 2). --dry-run never asks.
+
+    \b
+    Example: ldtools compact runs/chain --max-replay 50
+    Example: ldtools compact runs/chain --keep-last 200 --keep-every 1000 --yes
     """
-    with _progress_bar(show_progress, {"anchors": "writing anchors"}) as bar:
-        plan = ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every,
-                                dry_run=dry_run, progress=bar)
+    retention = keep_last is not None or keep_every is not None
+    if not dry_run:
+        refuse_break_lock_without_consent(chain, break_lock, yes)
+    if retention and not dry_run and not yes:
+        confirm_compaction(chain, max_replay, keep_last, keep_every)
+
+    def run(break_it: bool) -> ldformat.CompactionPlan:
+        with replay_thread_count(threads), _progress_bar(show_progress, {"anchors": "writing anchors"}) as bar:
+            return ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every,
+                                    dry_run=dry_run, break_lock=break_it, progress=bar)
+
+    plan = run(False) if dry_run else with_lock(chain, run, break_lock=break_lock, yes=yes)
     if as_json:
         _echo(json.dumps(plan.to_dict(), indent=2))
         return
+    _echo(compaction_summary(plan, dry_run))
     verb = "would" if dry_run else "did"
-    _echo(f"{verb} keep {len(plan.kept_steps)} steps, drop {len(plan.dropped_steps)}, "
-               f"write {len(plan.new_anchors)} new anchors {plan.new_anchors[:10]}, "
-               f"merge {len(plan.merged_deltas)} xor runs, drop {len(plan.dropped_anchors)} anchors, "
-               f"remove {len(plan.removed_objects)} objects")
     if plan.aborted_uploads:
-        _echo(f"{verb} abort {len(plan.aborted_uploads)} incomplete multipart upload(s) that killed writers left")
+        _echo(f"{verb} abort {plural(len(plan.aborted_uploads), 'incomplete multipart upload')} that killed "
+              "writers left")
     if plan.uploads_problem:
         _say(f"ldtools: warning: incomplete multipart uploads were not cleaned up: {plan.uploads_problem}")
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``1 step``, ``2 steps`` (``nouns``: an irregular plural)."""
+    return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def step_span(steps: list[int]) -> str:
+    """``6..12`` (``6`` for one step)."""
+    return f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}..{steps[-1]}"
+
+
+def compaction_summary(plan: ldformat.CompactionPlan, dry_run: bool) -> str:
+    """The one line ``compact`` prints (``would`` for a dry run, ``did`` for the real one)."""
+    verb = "would" if dry_run else "did"
+    shown = f" {plan.new_anchors[:10]}" if plan.new_anchors else ""
+    return (f"{verb} keep {plural(len(plan.kept_steps), 'step')}, drop {len(plan.dropped_steps)}, "
+            f"write {plural(len(plan.new_anchors), 'new anchor')}{shown}, "
+            f"merge {plural(len(plan.merged_deltas), 'xor run')}, drop {plural(len(plan.dropped_anchors), 'anchor')}, "
+            f"remove {plural(len(plan.removed_objects), 'object')}")
+
+
+def confirm_compaction(chain: str, max_replay: int | None, keep_last: int | None, keep_every: int | None) -> None:
+    """Ask before a compaction with retention (it removes committed steps); without a
+    terminal, refuse (see :mod:`ldtools.consent`). On a terminal, the question says how many
+    steps the plan removes now, from a dry run; none: nothing to ask."""
+    options = " and ".join(o for o, v in (("--keep-last", keep_last), ("--keep-every", keep_every)) if v is not None)
+    refusal = f"{chain}: compact {options} removes committed steps"
+    refuse_without_terminal(refusal)
+    plan = ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every, dry_run=True)
+    if plan.dropped_steps:
+        confirm(f"remove {plural(len(plan.dropped_steps), 'step')} ({step_span(plan.dropped_steps)}) of {chain}?",
+                yes=False, refusal=refusal)
 
 
 @cli.command()
 @CHAIN
 @click.option("--after", type=int, required=True, help="Keep steps up to and including this one.")
-@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--yes", is_flag=True, help=YES_HELP)
+@click.option("--break-lock", is_flag=True, help=BREAK_LOCK_HELP)
 @errors_to_exit_codes
-def truncate(chain: str, after: int, yes: bool) -> None:
+def truncate(chain: str, after: int, yes: bool, break_lock: bool) -> None:
     """Remove every step after --after (rewind after a loss spike). Crash-safe.
+
+    It asks before removing steps when stdin is a terminal; --yes skips the question, and
+    without a terminal --yes is required (else nothing changes and it exits 2).
 
     A sharded chain is truncated in every rank's chain, under every rank chain's lock (spec
     section 20.8); one rank's chain of it on its own is refused (exit 2).
 
+    \b
     Example: ldtools truncate runs/chain --after 1200 --yes
     """
     from ldformat.sharded import refuse_sharded
 
+    refuse_break_lock_without_consent(chain, break_lock, yes)
     reader = ldformat.open_reader(chain)
-    if isinstance(reader, ChainReader):
+    if isinstance(reader, ldformat.ChainReader):
         refuse_sharded(chain, None, None, "truncated")
     later = [s for s in reader.steps if s > after]
     if after not in reader.steps:
         raise ldformat.StepNotFoundError(f"{chain}: step {after} is not in the chain (as a committed step); "
                                          "nothing was changed")
-    if later and not yes and sys.stdin.isatty():
-        click.confirm(f"remove {len(later)} steps ({later[0]}..{later[-1]})?", abort=True)
-    with _about_step(after, "truncating after"):
-        removed = ldformat.truncate(chain, after)
-    _echo(f"removed {len(removed)} steps; the chain now ends at step {after}")
+    if later:
+        confirm(f"remove {plural(len(later), 'step')} ({step_span(later)})?", yes=yes,
+                refusal=f"{chain}: truncate --after {after} would remove {plural(len(later), 'step')} "
+                        f"({step_span(later)})")
+
+    def run(break_it: bool) -> list[int]:
+        with _about_step(after, "truncating after"):
+            return ldformat.truncate(chain, after, break_lock=break_it)
+
+    removed = with_lock(chain, run, break_lock=break_lock, yes=yes)
+    _echo(f"removed {plural(len(removed), 'step')}; the chain now ends at step {after}")
 
 
 @cli.command()
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("dst", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--break-lock", is_flag=True, help=BREAK_LOCK_HELP.replace("the writer lock", "DST's writer lock"))
+@click.option("--yes", is_flag=True, help="With --break-lock: do not ask (required when stdin is not a terminal).")
 @PROGRESS
 @errors_to_exit_codes
-def sync(src: str, dst: str, as_json: bool, show_progress: bool | None) -> None:
+def sync(src: str, dst: str, as_json: bool, break_lock: bool, yes: bool, show_progress: bool | None) -> None:
     """Replicate the chain SRC to DST, copying only what DST lacks (spec sections 17.5, 20.12).
 
     SRC is only read (a writer may append to it, a compaction rewrite it, meanwhile); DST is
@@ -1232,24 +1398,38 @@ def sync(src: str, dst: str, as_json: bool, show_progress: bool | None) -> None:
     continues where it stopped when run again. A DST that is not a replica of SRC is refused
     (exit 1): delete it, or sync to a new location.
 
+    DST follows SRC: steps that SRC no longer has (truncated, or removed by compact's
+    retention) go from DST too. To keep a copy that does not follow, sync to a new DST.
+
     A sharded chain is replicated whole: sharded.json, every rank chain and the commit
     records, each record once every rank chain of DST holds its step. A sharded chain is
     not synced into an ordinary one nor the reverse, nor anything into one rank chain of a
     sharded chain (exit 2); one rank's chain may be copied out, as any chain.
 
+    \b
     Example: ldtools sync runs/chain /mnt/backup/chain
     """
-    with _progress_bar(show_progress, {"bytes": "copying"}, byte_stages=("bytes",)) as bar:
-        report = ldformat.sync(src, dst, progress=bar)
+    from ldformat.reader import open_store
+
+    open_store(src, None)  # a missing local SRC: the same error as every command's CHAIN
+    refuse_break_lock_without_consent(dst, break_lock, yes)
+
+    def run(break_it: bool) -> ldformat.SyncReport:
+        with _progress_bar(show_progress, {"bytes": "copying"}, byte_stages=("bytes",)) as bar:
+            return ldformat.sync(src, dst, progress=bar, break_lock=break_it)
+
+    report = with_lock(dst, run, break_lock=break_lock, yes=yes)
     if as_json:
         _echo(json.dumps(report.to_dict(), indent=2))
         return
+    steps_behind = "" if report.lag_steps is None else f" ({plural(report.lag_steps, 'step')})"
     lag = "up to date" if report.up_to_date else (
-        f"{report.src_last_seq - report.dst_last_seq} records ({report.lag_steps} steps) behind")
+        f"{plural(report.src_last_seq - report.dst_last_seq, 'record')}{steps_behind} behind")
     deferred = "; garbage kept until a record is copied (the lock was taken over)" if report.garbage_deferred else ""
-    records = (f"{report.records_copied} commit records and {report.rank_records_copied} records of "
-               f"{report.world_size} rank chains" if report.sharded else f"{report.records_copied} records")
-    _echo(f"synced {records}, {report.objects_copied} objects "
+    records = (f"{plural(report.records_copied, 'commit record')} and {plural(report.rank_records_copied, 'record')} "
+               f"of {plural(report.world_size or 0, 'rank chain')}" if report.sharded
+               else plural(report.records_copied, "record"))
+    _echo(f"synced {records}, {plural(report.objects_copied, 'object')} "
           f"({human_bytes(report.bytes_copied)}) copied, {report.objects_skipped} already there, "
           f"{report.garbage_removed} removed; {report.dst} at step "
           f"{report.dst_latest_step}, {lag} ({report.src} at step {report.src_latest_step}); "

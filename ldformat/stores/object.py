@@ -162,6 +162,7 @@ class _Failure:
     transient: bool
     retried_inside: int  # how many times obstore already retried it
     error: BaseException
+    builder: bool = False  # obstore could not set up its HTTP client (a plain http:// endpoint not allowed)
 
 
 class ObjectStore(Store):
@@ -239,6 +240,7 @@ class ObjectStore(Store):
         kwargs: dict[str, Any] = {"client_options": client or None}
         if options:
             kwargs["config"] = options
+        self._endpoint = _endpoint(scheme, self.url, options)
         no_retry = {**self.retry.obstore_config(), "max_retries": 0}
         try:
             self._store = obstore.store.from_url(self.url, retry_config=self.retry.obstore_config(), **kwargs)
@@ -298,6 +300,15 @@ class ObjectStore(Store):
         if f.errno == errno.ENOENT:  # the bucket (or container) itself is missing
             return ObjectStoreError(errno.ENOENT, f"{verb} failed: {f.summary}; create it first (ldformat never "
                                                   "creates buckets) or fix the URL", url)
+        if f.builder and self._endpoint is not None and self._endpoint.lower().startswith("http://"):
+            prefix = _ENV_PREFIX.get(self.url.split("://", 1)[0].lower(), "AWS_")
+            return ObjectStoreError(errno.EINVAL, f"{verb} failed: the endpoint {self._endpoint} is plain http://, "
+                                                  f"which is refused unless allowed: set {prefix}ALLOW_HTTP=true (or "
+                                                  "storage_options allow_http=True), or use an https:// endpoint", url)
+        if f.builder:
+            return ObjectStoreError(errno.EINVAL, f"{verb} failed: {f.summary}: the HTTP client could not be set up "
+                                                  "from these settings; a plain http:// endpoint needs "
+                                                  "AWS_ALLOW_HTTP=true (storage_options allow_http=True)", url)
         if f.errno == errno.EACCES:
             return PermissionError(errno.EACCES, f"{verb} refused: {f.summary}; check the credentials "
                                                  "(environment variables or storage_options)", url)
@@ -582,7 +593,27 @@ def _classify(e: BaseException) -> _Failure | None:
     if isinstance(e, ConnectionError) or (status is None and any(w in lower for w in _CONNECTION_WORDS)):
         return _Failure(errno.ECONNRESET, f"connection failed ({detail})", True, retried_inside, e)
     if isinstance(e, (BaseError, OSError)):
-        return _Failure(errno.EIO, described or detail, False, retried_inside, e)
+        return _Failure(errno.EIO, described or detail, False, retried_inside, e, "builder error" in lower)
+    return None
+
+
+#: ``storage_options`` keys and environment variables that set an object store's endpoint.
+_ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "azure_storage_endpoint",
+                  "google_service_endpoint")
+_ENDPOINT_ENV = {"AWS_": ("AWS_ENDPOINT_URL", "AWS_ENDPOINT"), "AZURE_": ("AZURE_STORAGE_ENDPOINT",)}
+
+
+def _endpoint(scheme: str, url: str, options: Mapping[str, Any]) -> str | None:
+    """The endpoint requests go to, when known: the URL of an ``http(s)://`` store, else the
+    endpoint ``storage_options`` or the environment set (messages only)."""
+    if scheme in ("http", "https"):
+        return url
+    for key in _ENDPOINT_KEYS:
+        if isinstance(options.get(key), str):
+            return str(options[key])
+    for name in _ENDPOINT_ENV.get(_ENV_PREFIX.get(scheme, ""), ()):
+        if os.environ.get(name):
+            return os.environ[name]
     return None
 
 
