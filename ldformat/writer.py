@@ -310,6 +310,8 @@ class ChainWriter:
             exists = store.exists(ROOT_FILE)
             if not exists:
                 _check_empty_or_unfinished(store, where)
+        except LdformatError:
+            raise
         except OSError as e:
             _remove_creation(store, owned_dir)
             raise io_error(f"{where}: cannot look at the location to create a chain", e) from None

@@ -299,3 +299,22 @@ def test_s3_mirror_down_then_back(tmp_path: Path, fault_proxy: FaultProxy, caplo
     assert ldformat.resume(fresh, model_b, opt_b, mirror=url, mirror_options=S3_FAST_RETRY) == step
     assert_state_bits_equal(snapshot(model_b, opt_b), truth, "resumed from the s3 mirror")
     assert ChainReader(fresh).latest_step == step
+
+
+def test_resume_keeps_a_deliberate_rewind(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A truncation of the local chain below the mirror's latest step is the user's decision:
+    resume honours it (the truncation is the newer record), and the next sync carries it."""
+    caplog.set_level(logging.WARNING, LOGGER)
+    mirror = str(tmp_path / "mirror")
+    run(tmp_path / "chain", mirror, 10).close()
+    assert ChainReader(mirror).latest_step == 10
+    ldformat.truncate(tmp_path / "chain", 6)
+
+    model, opt = training(seed=5)
+    assert ldformat.resume(tmp_path / "chain", model, opt, mirror=mirror) == 6
+    assert not any("mirror is ahead" in r.message for r in caplog.records)
+    want_model, want_opt = training(seed=6)
+    ldformat.resume(tmp_path / "chain", want_model, want_opt)
+    assert_state_bits_equal(snapshot(model, opt), snapshot(want_model, want_opt), "the rewound step")
+    ldformat.sync(tmp_path / "chain", mirror)
+    assert ChainReader(mirror).latest_step == 6  # the rewind reached the mirror

@@ -27,7 +27,7 @@ from ..stores import open_store as open_location
 from ..topk import TopK
 from ..writer import ChainWriter
 from .extra import Stateful
-from .rng import restore_rng
+from .rng import restore_optimizer_rng, restore_rng
 from .sharded import live_regions, load_full_state, needed_ranks
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
@@ -109,15 +109,21 @@ def resume(
             but the plain one is logged on the ``ldformat.capture`` logger):
 
             1. the mirror holds no readable chain: ``path`` alone, as without ``mirror``;
-            2. ``path`` holds no readable chain, or the mirror's latest step is newer than
-               ``path``'s: ``ldformat.sync(mirror, path)`` first brings ``path`` up to the
-               mirror, then ``path`` is restored (and a Checkpointer appends there);
+            2. ``path`` holds no readable chain, or the mirror is newer: for the same chain
+               (the same ``chain_id``) its log is longer (its newest record has a greater
+               number: ``path`` lost records that the mirror had copied), for another chain
+               its latest step is greater. ``ldformat.sync(mirror, path)`` first brings
+               ``path`` up to the mirror, then ``path`` is restored (and a Checkpointer
+               appends there);
             3. that sync refuses because ``path`` diverged from the mirror (or ``path``
-               holds something unreadable): the mirror, whose latest step is newer, is
-               restored from directly and ``path`` is left untouched; move it away before
-               checkpointing to ``path`` again;
-            4. otherwise (``path``'s latest step is the same or newer): ``path``, even if
-               the mirror diverged from it.
+               holds something unreadable): the mirror is restored from directly and
+               ``path`` is left untouched; move it away before checkpointing to ``path``
+               again;
+            4. otherwise ``path``, even if the mirror diverged from it. For the same chain
+               the record numbers decide, not the steps: a truncation of ``path`` (a
+               deliberate rewind, spec §16) is a newer record, so ``path`` wins over a
+               mirror that still holds the steps it removed, and the next sync carries the
+               rewind to the mirror.
 
     Pass the returned step to ``Checkpointer(..., step=step)`` so that steps after it are
     truncated and re-recorded by the resumed run.
@@ -154,6 +160,8 @@ def resume(
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     extra = own_extra(state["extra"], rank, path)
+    if "optimizer_rng" in extra:  # the optimizer's own generators, after its load_state_dict (spec §19.5)
+        restore_optimizer_rng(optimizer, extra["optimizer_rng"], f"{path} (step {step})")
     if scheduler is not None and "scheduler" in extra:
         scheduler.load_state_dict(extra["scheduler"])
     if scaler is not None and "scaler" in extra:
@@ -240,6 +248,8 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         else:
             own = mine
     load_full_state(model, optimizer, state)
+    if same and "optimizer_rng" in own:  # this rank's optimizer's own generators (spec §19.5)
+        restore_optimizer_rng(optimizer, own["optimizer_rng"], f"{path} (step {step})")
     if scheduler is not None and "scheduler" in own:
         scheduler.load_state_dict(own["scheduler"])
     if scaler is not None and "scaler" in own:
@@ -290,17 +300,22 @@ def _newest(path: str, store: Store | None, mirror: str | os.PathLike[str] | Sto
             log.warning("%s: the mirror is not readable (%s); resuming from %s", name, remote_why, path)
         return local
     local_step = local.latest_step if local is not None else None
-    if local_step is not None and local_step >= remote.latest_step:
-        return local
+    if local is not None and local_step is not None:
+        if local.root.chain_id == remote.root.chain_id:
+            newer = local.state.last_seq >= remote.state.last_seq  # a truncation is a newer record (spec §16)
+        else:
+            newer = local_step >= remote.latest_step  # another chain: only the steps compare
+        if newer:
+            return local
     try:
         report = sync(mirror, store if store is not None else path, src_options=mirror_options)
     except (ReplicaDivergedError, UsageError, CorruptChainError) as e:
-        log.warning("%s: cannot update %s from the mirror (%s); resuming from the mirror's step %d, newer than "
-                    "%s's %s; move %s away before checkpointing there again",
+        log.warning("%s: cannot update %s from the mirror (%s); resuming from the mirror's step %d, newer "
+                    "than %s's %s; move %s away before checkpointing there again",
                     name, path, e, remote.latest_step, path, local_step if local is not None else local_why, path)
         return remote
-    log.warning("%s: the mirror is ahead (step %s, %s has %s): copied %d records from it; resuming from %s",
-                name, remote.latest_step, path, local_step if local is not None else local_why,
+    log.warning("%s: the mirror is ahead (record %d, step %s; %s has %s): copied %d records from it; resuming "
+                "from %s", name, remote.state.last_seq, remote.latest_step, path, local_step if local is not None else local_why,
                 report.records_copied, path)
     return ChainReader(path, store=store)
 
