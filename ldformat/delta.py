@@ -397,6 +397,9 @@ MAX_COUNTS = 1 << 24
 MAX_SPARSE_INDEX = 1 << 32
 # Per array, the elements all rows of a batch hold together (a sanity bound: 2^48 elements).
 _MAX_ARRAY_ELEMENTS = 1 << 48
+# An optimizer slot may hold 2^20 elements whatever the model: state whose size does not scale
+# with the parameters (a generator's state, a histogram), which a tiny model's P^2 could not hold.
+OPTIMIZER_SLOT_FLOOR = 1 << 20
 _KIND_SLOTS: dict[str, dict[str, tuple[Encoding, ...]]] = {
     "grad.topk": {"grad": ("sparse",), "model": ("dense",)},
     "grad.dense": {"grad": ("dense",), "model": ("dense",)},
@@ -453,6 +456,18 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def optimizer_slot_bound(parameter_elements: int) -> int:
+    """The most elements an ``optimizer/…`` slot may hold in a chain whose schema's parameters
+    have ``parameter_elements`` elements together (P): ``max(2^20, P^2)`` (spec §10.3).
+
+    Every second-order statistic of the gradients (a full-matrix preconditioner, Kronecker
+    factors, blocks of them, stacked) is indexed by pairs of parameter elements, so it holds at
+    most P^2; P alone, the bound up to 1.6's reference reader, refused preconditioner matrices
+    that the writer recorded (e.g. pytorch-optimizer's DASH).
+    """
+    return max(OPTIMIZER_SLOT_FLOOR, parameter_elements * parameter_elements)
+
+
 def _shape_ok(shape: tuple[int, ...]) -> bool:
     """A shape torch can hold: the product of max(1, d) over the dimensions is below 2^63."""
     span = 1
@@ -466,8 +481,8 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
 
     Names are unique and in the namespaces of ``kind``, with its encoding; dtypes are those of
     spec §5.6.4; ``grad/<i>`` has exactly the dtype and shape of parameter ``i``, ``model/<key>``
-    those of its schema entry, and an ``optimizer/<i>/<key>`` slot holds at most as many
-    elements as all parameters of the schema together. Raises CorruptChainError naming the slot.
+    those of its schema entry, and an ``optimizer/…`` slot holds at most
+    :func:`optimizer_slot_bound` elements. Raises CorruptChainError naming the slot.
     """
     model, params, total = _schema_tables(schema)
     allowed = _KIND_SLOTS.get(kind)
@@ -514,9 +529,11 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
                 raise CorruptChainError(f"{bad} has encoding 'adam.v', which is for optimizer/<i>/<key> other than "
                                         "the first moment exp_avg it is predicted from (spec §10.3, §11.3.1)")
             expected = None
-            if not _shape_ok(slot.shape) or slot.numel > max(1, total):
-                raise CorruptChainError(f"{bad} has shape {list(slot.shape)}: more elements than the "
-                                        f"{max(1, total)} of all the schema's parameters together (spec §10.3)")
+            bound = optimizer_slot_bound(total)
+            if not _shape_ok(slot.shape) or slot.numel > bound:
+                raise CorruptChainError(f"{bad} has shape {list(slot.shape)}: more elements than the {bound} an "
+                                        f"optimizer tensor may hold in a chain of {total} parameter elements "
+                                        "(max(2^20, P^2); spec §10.3)")
         if expected is not None and (slot.dtype, slot.shape) != expected:
             raise CorruptChainError(f"{bad} is {slot.dtype} {list(slot.shape)}; the schema says {expected[0]} "
                                     f"{list(expected[1])} (spec §10.3)")

@@ -11,25 +11,32 @@ entry for a few steps without ldformat: an optimizer that fails there is no test
 from __future__ import annotations
 
 import copy
+import dataclasses
 import enum
 import functools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 
 class MatrixNet(nn.Module):
     """A tiny MLP: 2-D weights (for Shampoo/SOAP/Muon-type optimizers), biases, a BatchNorm
-    (buffers: running mean/var and an int64 counter) and a parameter without a gradient."""
+    (buffers: running mean/var and an int64 counter) and a parameter without a gradient.
 
-    def __init__(self) -> None:
+    ``hidden``: the width of the hidden layer. At 16 the model has 215 parameter elements and a
+    16 x 16 preconditioner (a Kronecker factor of ``fc1.weight``) has 256: more than all
+    parameters together, the slot bound of readers up to 1.6's (spec §10.3)."""
+
+    def __init__(self, hidden: int = 8) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.norm = nn.BatchNorm1d(8)
-        self.fc2 = nn.Linear(8, 4)
+        self.fc1 = nn.Linear(6, hidden)
+        self.norm = nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, 4)
         self.unused = nn.Parameter(torch.linspace(-1.0, 1.0, 3))  # optimized, never has a gradient
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,9 +52,9 @@ class MatrixNet(nn.Module):
 MakeOptimizer = Callable[[MatrixNet], torch.optim.Optimizer]
 
 
-def new_model() -> MatrixNet:
+def new_model(hidden: int = 8) -> MatrixNet:
     torch.manual_seed(0)
-    return MatrixNet()
+    return MatrixNet(hidden)
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +73,10 @@ class Entry:
     loss_closure: bool = False  # backward first, then step(closure) where the closure returns the loss (AliG)
     create_graph: bool = False  # backward(create_graph=True) (Hessian-based optimizers)
     excluded: str | None = None  # why it is not run at all
+    hidden: int = 8  # MatrixNet's hidden width
+
+    def model(self) -> MatrixNet:
+        return new_model(self.hidden)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, entry: Entry) -> None:
@@ -96,7 +107,7 @@ def plain_failure(entry: Entry, steps: int = 3) -> str | None:
     if entry.excluded is not None:
         return entry.excluded
     try:
-        model = new_model()
+        model = entry.model()
         opt = entry.make(model)
         if not isinstance(opt, torch.optim.Optimizer):
             return f"not a torch.optim.Optimizer ({type(opt).__name__})"
@@ -289,6 +300,24 @@ def timm_entries() -> dict[str, Entry]:
     return out
 
 
+# -- preconditioners larger than the model ------------------------------------------------------
+# Optimizers that keep matrices over a parameter's rows or columns: on MatrixNet(16) each holds
+# more elements than all parameters together. One per way of storing them: blocks in lists of
+# dicts (optimizer/ref/…, DASH), per-parameter tensors (optimizer/<i>/<key>, Shampoo), lists
+# (SOAP). Kron, SPlus, Alice and timm's Kron keep them too (about 1 s each, timm's Kron 14 s).
+_PRECONDITIONERS = ["dash", "shampoo", "soap"]
+WIDE_HIDDEN = 16
+
+
+@functools.cache
+def preconditioner_entries() -> dict[str, Entry]:
+    """The preconditioner optimizers of the zoo that are installed, on ``MatrixNet(16)``, as
+    ``<name>@16``."""
+    known = {**pytorch_optimizer_entries(), **timm_entries()}
+    return {f"{n}@{WIDE_HIDDEN}": dataclasses.replace(known[n], name=f"{n}@{WIDE_HIDDEN}", hidden=WIDE_HIDDEN)
+            for n in _PRECONDITIONERS if n in known}
+
+
 # -- probes: one kind of state value each -------------------------------------------------------
 class ProbeOptimizer(torch.optim.Optimizer):
     """SGD with momentum whose state holds more: per parameter (``per_param(index, step)``),
@@ -358,6 +387,36 @@ class SGDWithEMA(torch.optim.SGD):
                 if p.grad is not None:
                     ema = self.state[p].setdefault("ema", torch.zeros_like(p))
                     ema.mul_(0.5).add_(p.detach(), alpha=0.5)
+        return loss
+
+
+class NoisySGD(torch.optim.Optimizer):
+    """SGD whose update draws noise from generators of its own, kept as attributes outside
+    ``state_dict()``: a ``torch.Generator`` (as timm's Adahessian does), a ``random.Random`` and
+    a ``numpy.random.RandomState``. A resumed run continues exactly only if their states are
+    recorded and restored (spec §19.2 ``optimizer_rng``)."""
+
+    def __init__(self, params: Any, lr: float = 0.05, noise: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr, "noise": noise})
+        self.generator = torch.Generator().manual_seed(7)
+        self.coin = random.Random(11)
+        self.legacy = np.random.RandomState(13)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                scale = self.coin.random() + float(self.legacy.random_sample())
+                z = torch.randn(p.shape, generator=self.generator, dtype=p.dtype)
+                drawn = self.state[p].setdefault("drawn", torch.zeros_like(p))
+                drawn.add_(z)
+                p.add_(p.grad + group["noise"] * scale * z, alpha=-group["lr"])
         return loss
 
 
@@ -443,6 +502,7 @@ PROBES: list[Entry] = [
                                      "count": 3, "nested": [[1, 2.0], (None,)]})),
     Entry("probe-group-dtype", "probe", lambda m: ProbeOptimizer(
         m.parameters(), group_extra={"compute_dtype": torch.bfloat16})),
+    Entry("probe-private-generators", "probe", lambda m: NoisySGD(m.parameters())),
     # probe-group-int-enum is in UNSUPPORTABLE: an enum cannot come back as its class.
 ]
 
@@ -479,3 +539,13 @@ def _with_state(opt: torch.optim.Optimizer, value: object) -> torch.optim.Optimi
     p = opt.param_groups[0]["params"][0]
     opt.state[p]["custom"] = value
     return opt
+
+
+def generator_entries() -> dict[str, Entry]:
+    """Optimizers that draw from generators of their own outside ``state_dict()``: the probe
+    and, when timm is installed, its Adahessian (a ``torch.Generator``, Hutchinson probes)."""
+    out = {"probe-private-generators": next(e for e in PROBES if e.name == "probe-private-generators")}
+    timm = timm_entries()
+    if "timm.Adahessian" in timm:
+        out["timm.Adahessian"] = timm["timm.Adahessian"]
+    return out

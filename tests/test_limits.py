@@ -293,13 +293,22 @@ def test_check_slots_refuses(kind: str, slots: list[SlotInfo], why: str) -> None
     assert why in str(info.value)
 
 
-def test_optimizer_slots_may_hold_up_to_all_parameters() -> None:
+@pytest.mark.parametrize("widen", [False, True])
+def test_optimizer_slots_may_hold_a_matrix_over_all_parameters(widen: bool) -> None:
+    """max(2^20, P^2) elements (spec §10.3): a preconditioner over the parameter elements fits."""
     schema = golden_schema("state.xor")
+    if widen:  # P = 2^12: P^2 = 2^24 is above the floor
+        first = next(e for e in schema["model"] if e["role"] == "parameter" and e["alias_of"] is None)
+        first["shape"] = [(1 << 12) - sum(int(np.prod(e["shape"])) for e in schema["model"] if e is not first
+                                          and e["role"] == "parameter" and e["alias_of"] is None)]
     total = sum(int(np.prod(e["shape"])) for e in schema["model"]
                 if e["role"] == "parameter" and e["alias_of"] is None)
-    check_slots((slot("optimizer/0/big", shape=(total,), encoding="xor"),), schema, "state.xor", "b")
-    with pytest.raises(CorruptChainError, match=f"the {total} of all"):
-        check_slots((slot("optimizer/0/big", shape=(total + 1,), encoding="xor"),), schema, "state.xor", "b")
+    bound = max(1 << 20, total * total)
+    assert bound == (1 << 24 if widen else 1 << 20)
+    for name in ("optimizer/0/big", "optimizer/ref/state/0/blocks/0/statistics/0"):
+        check_slots((slot(name, shape=(2, bound // 2), encoding="xor"),), schema, "state.xor", "b")
+        with pytest.raises(CorruptChainError, match=f"more elements than the {bound} "):
+            check_slots((slot(name, shape=(bound + 1,), encoding="xor"),), schema, "state.xor", "b")
 
 
 @pytest.mark.parametrize("mutate", [

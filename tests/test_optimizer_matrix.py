@@ -50,8 +50,8 @@ from optimizer_zoo import (
     UNSUPPORTABLE,
     UNSUPPORTABLE_LATER,
     Entry,
-    new_model,
     plain_failure,
+    preconditioner_entries,
     pytorch_optimizer_entries,
     timm_entries,
     train_step,
@@ -200,6 +200,8 @@ class Outcome:
     anchors: list[int] = field(default_factory=list)
     checked_steps: list[int] = field(default_factory=list)
     ldformat_error: bool = False  # the exception (if any) is an LdformatError
+    largest_optimizer_slot: int = 0  # elements of the largest optimizer/… slot of the chain's batches
+    parameter_elements: int = 0  # P of spec §10.3: the schema's parameters, together
 
     def row(self) -> str:
         return f"{self.mode:9s} {self.name:28s} {self.category:18s} {self.reason}"
@@ -229,7 +231,7 @@ def run_case(entry: Entry, mode: str, root: Path, config: Config) -> Outcome:
     started = time.perf_counter()
     out = Outcome(entry.name, mode, EXACT)
     path = root / re.sub(r"[^A-Za-z0-9_.-]", "_", f"{mode}-{entry.name}")
-    model = new_model()
+    model = entry.model()
     opt = entry.make(model)
     refs = {0: snapshot(model, opt)}
     try:
@@ -267,6 +269,9 @@ def run_case(entry: Entry, mode: str, root: Path, config: Config) -> Outcome:
             warnings.simplefilter("ignore", ldformat.ReplayEnvironmentWarning)
             reader = ldformat.ChainReader(str(path))
             out.anchors = list(reader.anchors)
+            out.parameter_elements = sum(p.numel() for p in model.parameters())
+            out.largest_optimizer_slot = max((s.numel for e in reader.state.delta_entries() for s in e.slots
+                                              if s.name.startswith("optimizer/")), default=0)
             if reader.steps != list(range(config.steps + 1)):
                 out.category = SILENT
                 out.reason = f"close() succeeded but the chain holds steps {reader.steps}, not 0-{config.steps}"
@@ -350,6 +355,7 @@ TIMM_ENTRIES = timm_entries()
 PROBE_ENTRIES = {e.name: e for e in PROBES}
 UNSUPPORTABLE_ENTRIES = {e.name: e for e in UNSUPPORTABLE}
 LATER_ENTRIES = {e.name: e for e in UNSUPPORTABLE_LATER}
+WIDE_ENTRIES = preconditioner_entries()  # on MatrixNet(16): preconditioners larger than the model
 OPTIMIZERS = {**TORCH_ENTRIES, **PO_ENTRIES, **TIMM_ENTRIES}  # the matrix proper: real optimizers
 THIRD_PARTY = {**PO_ENTRIES, **TIMM_ENTRIES}
 EVERYTHING = {**OPTIMIZERS, **PROBE_ENTRIES, **UNSUPPORTABLE_ENTRIES}
@@ -467,6 +473,17 @@ def test_xor_unsupportable_state_appearing_later_is_loud(matrix: Matrix, name: s
         assert out.ldformat_error, f"not an LdformatError: {out.reason}"
         assert out.reason.startswith(("training", "close()")), \
             f"the error must come from training or close(), not from reading: {out.reason}"
+
+
+@pytest.mark.parametrize("name", sorted(WIDE_ENTRIES))
+def test_xor_preconditioners_larger_than_the_model(matrix: Matrix, name: str) -> None:
+    """Kronecker factors and blocks of them (DASH, Shampoo, SOAP, Kron, ...) hold more elements
+    than all parameters together; the reader reads the slots the writer records (spec §10.3)."""
+    out = matrix.get("xor", WIDE_ENTRIES[name])
+    _check(out, refusal_allowed=False)
+    assert out.largest_optimizer_slot > out.parameter_elements, (
+        f"{name}: no optimizer slot above P = {out.parameter_elements} (largest {out.largest_optimizer_slot}): "
+        "the case no longer tests what it is for")
 
 
 # -- the other modes, through their anchors ----------------------------------------------------

@@ -1,13 +1,18 @@
 """The ``extra`` object the capture runtime writes with every step (spec §19.1 "The `extra` object").
 
-The RNG states (§19.2) come from :mod:`.rng`, the sampler position (§19.4) from the
-sampler; :mod:`.resume` reads them back (§19.5).
+The RNG states (§19.2), the process's and those the optimizer holds of its own, come from
+:mod:`.rng`, the sampler position (§19.4) from the sampler; :mod:`.resume` reads them back
+(§19.5).
 """
 
 from __future__ import annotations
 
 import copy
 from typing import Any, Protocol
+
+import torch
+
+from .rng import capture_optimizer_rng
 
 
 class Stateful(Protocol):
@@ -28,6 +33,7 @@ def loop_extra(
     policy: dict[str, object],
     user: dict[str, object],
     ranks: dict[str, dict[str, object]] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, object]:
     """The extra state of one step as Python values: copies, not live objects.
 
@@ -38,6 +44,9 @@ def loop_extra(
         policy: the anchor interval and batch size in force (and the policy's inputs).
         user: the user's own dict (left out when empty).
         ranks: the other data-parallel ranks' ``{"rng", "data"}``, by rank (a decimal string).
+        optimizer: its own generators, outside its ``state_dict()``, are recorded as
+            ``optimizer_rng`` (:func:`~ldformat.capture.rng.capture_optimizer_rng`). Taken here,
+            when the step is queued: only the optimizer's next step draws from them.
 
     Returns:
         A dict for :func:`ldformat.jsonvalue.encode` (which the background writer runs).
@@ -54,4 +63,7 @@ def loop_extra(
         extra["user"] = copy.deepcopy(user)
     if ranks:
         extra["ranks"] = ranks
+    generators = capture_optimizer_rng(optimizer) if optimizer is not None else {}
+    if generators:
+        extra["optimizer_rng"] = generators
     return extra

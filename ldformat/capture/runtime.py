@@ -748,7 +748,7 @@ class Checkpointer:
         """The extra state of this step as Python values (spec §19.1); copies, not live objects;
         ``ranks``: the other data-parallel ranks' RNG states and data positions."""
         return loop_extra(rng=rng or {}, scheduler=self.scheduler, scaler=self.scaler, data=data,
-                          policy=self.tuning.extra(), user=self.user_extra, ranks=ranks)
+                          policy=self.tuning.extra(), user=self.user_extra, ranks=ranks, optimizer=self.optimizer)
 
     def _data_state(self) -> dict[str, Any] | None:
         return self.sampler.state_dict() if self.sampler is not None else None
