@@ -45,6 +45,7 @@ from .delta import (
     PREDICTED,
     BatchEncoder,
     check_encode_threads,
+    check_slots,
     default_encode_threads,
     encode_pool,
     tensor_bits,
@@ -54,6 +55,7 @@ from .errors import (
     ChainError,
     ChainExistsError,
     ChainLockedError,
+    CorruptChainError,
     LdformatError,
     UnsupportedStateError,
     UsageError,
@@ -630,8 +632,13 @@ class ChainWriter:
     def _slot(self, name: str, ct: CapturedTensor, encoding: str) -> int:
         j = self._slot_index.get(name)
         if j is None:
+            slot = SlotInfo(name=name, dtype=ct.dtype, shape=ct.shape, encoding=encoding)
+            try:  # what the writer records, the reader reads: the reader's own check (spec §10.3)
+                check_slots((slot,), self.root.schema, self.kind, self.path)
+            except CorruptChainError as e:
+                raise UnsupportedStateError(f"{e}; a reader would refuse it, so it is not recorded") from None
             j = self._slot_index[name] = len(self._slots)
-            self._slots.append(SlotInfo(name=name, dtype=ct.dtype, shape=ct.shape, encoding=encoding))
+            self._slots.append(slot)
         elif self._slots[j].shape != ct.shape or self._slots[j].dtype != ct.dtype:
             raise UnsupportedStateError(f"{name} changed shape or dtype during training; format 1.x refuses that")
         return j

@@ -22,6 +22,7 @@ from ..reader import ChainReader
 from ..replicate import ReplicaDivergedError, sync
 from ..sharded import ShardedReader, assemble_state, extra_of_rank, is_sharded
 from ..shards import has_dtensors
+from ..state import optimizer_class_name
 from ..stores import Store, location_name, parse_location
 from ..stores import open_store as open_location
 from ..topk import TopK
@@ -148,6 +149,7 @@ def resume(
     elif step not in reader.steps:
         raise StepNotFoundError(f"{path}: step {step} is not in the chain")
     model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
+    refuse_other_optimizer(reader.root.schema, optimizer, path)
     reader.replay_device = replay_device(reader, model)
     state = reader.materialize(step)
     if has_dtensors(model):  # a sharded model takes its slices of the full state
@@ -176,6 +178,18 @@ def resume(
     if "rng" in extra:
         restore_rng(extra["rng"])
     return step
+
+
+def refuse_other_optimizer(schema: dict[str, Any], optimizer: torch.optim.Optimizer, path: str) -> None:
+    """Refuse to load a chain's optimizer state into an optimizer of another class: its state
+    has other keys (an SGD state into AdamW fails at the next step with ``KeyError: 'betas'``),
+    so nothing is loaded (spec §5.6.2 ``class``)."""
+    recorded, (live, _) = schema["optimizer"]["class"], optimizer_class_name(optimizer)
+    if recorded != live:
+        raise UsageError(
+            f"{path}: the chain was recorded with the optimizer {recorded}, and this optimizer is {live}; "
+            f"resume into a {recorded.rsplit('.', 1)[-1]} (its state does not fit another class), or start a new "
+            "chain for the new optimizer; nothing was loaded")
 
 
 def replay_device(reader: ChainReader, model: torch.nn.Module) -> torch.device:
@@ -227,6 +241,7 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     same = world == reader.world_size
     model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
+    refuse_other_optimizer(reader.ranks[reader.root.source(0)].root.schema, optimizer, path)
     # Only the blocks this rank holds, from the rank chains that hold part of them (spec §20.6):
     # at the recording layout that is this rank's own chain.
     regions = live_regions(model)
@@ -315,8 +330,8 @@ def _newest(path: str, store: Store | None, mirror: str | os.PathLike[str] | Sto
                     name, path, e, remote.latest_step, path, local_step if local is not None else local_why, path)
         return remote
     log.warning("%s: the mirror is ahead (record %d, step %s; %s has %s): copied %d records from it; resuming "
-                "from %s", name, remote.state.last_seq, remote.latest_step, path, local_step if local is not None else local_why,
-                report.records_copied, path)
+                "from %s", name, remote.state.last_seq, remote.latest_step, path,
+                local_step if local is not None else local_why, report.records_copied, path)
     return ChainReader(path, store=store)
 
 
