@@ -94,7 +94,7 @@ from .manifest import (
 )
 from .optstate import live_optimizer_state, probe_unstorable_state
 from .predict import COEFFICIENTS, PREDICT, predicted_param
-from .reader import ChainReader, chain_name, open_store
+from .reader import SHARDED_ROOT_FILE, ChainReader, chain_name, open_store
 from .snapshots import commit_snapshot, segments_allowed
 from .state import (
     check_schema_matches,
@@ -985,6 +985,12 @@ def _refuse_not_empty(store: Store, where: str) -> NoReturn:
     if store.exists(ROOT_FILE):
         raise ChainExistsError(f"{where}: another process created a chain here concurrently; use "
                                "ChainWriter.open to append")
+    if store.exists(SHARDED_ROOT_FILE):
+        raise UsageError(
+            f"{where}: holds a sharded chain (spec §20), written by a job whose model was sharded across ranks; "
+            "this run's model is not sharded that way (another world size, or a plain model), so its layout "
+            "differs and it cannot append there. Resume from that chain (ldformat.resume reshards it) and "
+            "checkpoint this run to a new path")
     raise UsageError(f"{where}: directory (or prefix) is not empty; create a chain in a new or empty one")
 
 

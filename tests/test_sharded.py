@@ -40,6 +40,7 @@ from launching import Launch
 from sharded_state import assert_same, index_layout, state_diffs
 
 import ldformat
+from ldformat.errors import UsageError
 from ldtools.cli import cli
 
 pytestmark = [
@@ -361,6 +362,23 @@ def test_resume_plain_model_without_process_group(w2: Launch, src: str, optim: s
     for s, (got, ref) in enumerate(zip(_train_on(model, opt, step), _train_on(ref_model, ref_opt, step),
                                        strict=True), start=step + 1):
         assert_same(got, ref, f"step {s}, trained on after the resume")
+
+
+@pytest.mark.usefixtures("keep_rng")
+def test_checkpointing_a_plain_run_into_the_sharded_path_says_why(w2: Launch, tmp_path: Path) -> None:
+    """After resuming a sharded chain at world size 1, checkpointing back into its path is
+    refused with the reason (the layout changed) and what to do, and changes nothing."""
+    chain = Path(w2.chain("fsdp-xor"))
+    copy = tmp_path / "chain"
+    shutil.copytree(chain, copy)
+    model, opt = _plain("sgd")
+    step = ldformat.resume(copy, model, opt)
+    before = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
+    with pytest.raises(UsageError) as info:
+        ldformat.Checkpointer(copy, model, opt, step=step, mode="xor")
+    message = str(info.value)
+    assert "holds a sharded chain" in message and "new path" in message and "ldformat.resume" in message
+    assert sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file()) == before
 
 
 # -- 4: ldtools materialize ---------------------------------------------------------------------------
