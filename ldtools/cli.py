@@ -40,7 +40,6 @@ from .consent import (
     YES_HELP,
     confirm,
     refuse_break_lock_without_consent,
-    refuse_without_terminal,
     with_lock,
 )
 from .progress import PROGRESS_ENV, ProgressBar, human_bytes, progress_wanted
@@ -1144,9 +1143,8 @@ def refuse_existing_output(out: Path, force: bool, *, directory: bool) -> None:
         return
     if directory and out.is_dir() and not any(out.iterdir()):
         return
-    kind = "directory" if out.is_dir() and not out.is_symlink() else "file"
-    raise UsageError(f"{out}: the {kind} exists; pass --force to replace it, or choose another -o; nothing was "
-                     "written")
+    what = "exists and is not an empty directory" if directory and out.is_dir() else "exists"
+    raise UsageError(f"{out}: {what}; pass --force to replace it, or choose another -o; nothing was written")
 
 
 def _export_dcp(reader: ChainReader | ShardedReader, step: int | None, out: Path, bar: ProgressBar,
@@ -1276,9 +1274,9 @@ def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_ever
     chain is compacted under every rank chain's lock with one plan, so that every rank chain
     keeps the same steps (spec section 20.8); one rank's chain on its own is refused (exit 2).
 
-    Without --keep-last and --keep-every every step stays, and compact does not ask. With
-    them it removes committed steps: it asks on a terminal (showing how many), and without
-    a terminal it needs --yes (else it changes nothing and exits 2). --dry-run never asks.
+    Without --keep-last and --keep-every every step stays, and compact does not ask. When
+    they remove committed steps, it asks on a terminal (saying which), and without a
+    terminal it needs --yes (else it changes nothing and exits 2). --dry-run never asks.
 
     \b
     Example: ldtools compact runs/chain --max-replay 50
@@ -1329,16 +1327,13 @@ def compaction_summary(plan: ldformat.CompactionPlan, dry_run: bool) -> str:
 
 
 def confirm_compaction(chain: str, max_replay: int | None, keep_last: int | None, keep_every: int | None) -> None:
-    """Ask before a compaction with retention (it removes committed steps); without a
-    terminal, refuse (see :mod:`ldtools.consent`). On a terminal, the question says how many
-    steps the plan removes now, from a dry run; none: nothing to ask."""
-    options = " and ".join(o for o, v in (("--keep-last", keep_last), ("--keep-every", keep_every)) if v is not None)
-    refusal = f"{chain}: compact {options} removes committed steps"
-    refuse_without_terminal(refusal)
+    """Ask before a compaction whose retention removes committed steps, or refuse without a
+    terminal (:mod:`ldtools.consent`). A dry run of the same compaction says which steps it
+    removes; none: nothing to ask."""
     plan = ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every, dry_run=True)
     if plan.dropped_steps:
-        confirm(f"remove {plural(len(plan.dropped_steps), 'step')} ({step_span(plan.dropped_steps)}) of {chain}?",
-                yes=False, refusal=refusal)
+        steps = f"{plural(len(plan.dropped_steps), 'step')} ({step_span(plan.dropped_steps)})"
+        confirm(f"remove {steps} of {chain}?", yes=False, refusal=f"{chain}: compact would remove {steps}")
 
 
 @cli.command()

@@ -291,7 +291,7 @@ def test_materialize_errors(chains: dict[str, Built], tmp_path: Path) -> None:
     # A failed materialize leaves an existing output file alone.
     out.mkdir()
     (out / "keep.pt").write_bytes(b"previous")
-    one_line_error(invoke("materialize", chain, "--step", 99, "-o", out / "keep.pt", code=1))
+    one_line_error(invoke("materialize", chain, "--step", 99, "-o", out / "keep.pt", "--force", code=1))
     assert (out / "keep.pt").read_bytes() == b"previous"
     assert files_in(out) == ["keep.pt"]
 
@@ -309,12 +309,13 @@ def test_materialize_write_is_atomic(chains: dict[str, Built], tmp_path: Path,
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", failing_save)
-    line = one_line_error(invoke("materialize", chain, "-o", target, code=3))  # spec §18.1: output not written
+    # spec §18.1: output not written
+    line = one_line_error(invoke("materialize", chain, "-o", target, "--force", code=3))
     assert "No space left on device" in line
     assert target.read_bytes() == before
     assert files_in(tmp_path) == ["ckpt.pt"]
     monkeypatch.setattr(torch, "save", real_save)
-    invoke("materialize", chain, "-o", target)  # replaces the old file
+    invoke("materialize", chain, "-o", target, "--force")  # replaces the old file
     assert torch.load(target, weights_only=True)["step"] == STEPS
     assert files_in(tmp_path) == ["ckpt.pt"]
 
@@ -341,7 +342,7 @@ def test_validate_ok(built: Built) -> None:
     out = invoke("validate", built.path).stdout
     assert out.strip() == f"ok: {STEPS + 1} steps, 2 anchors"
     out = invoke("validate", built.path, "--deep").stdout
-    assert out.strip() == f"ok: {STEPS + 1} steps, 2 anchors, replay at 1 anchors bit-exact"
+    assert out.strip() == f"ok: {STEPS + 1} steps, 2 anchors, replay at 1 anchor bit-exact"
     report = json.loads(invoke("validate", built.path, "--json").stdout)
     assert report["ok"] is True and report["problems"] == []
     assert report["kind"] == built.kind and report["steps"] == STEPS + 1 and report["deep"] is False
@@ -379,7 +380,7 @@ def test_validate_corrupt_chain(chain_copy: Built) -> None:
     for line, (rel, step) in zip(lines, damaged, strict=True):
         assert f"{chain}/{rel}" in line and f"(step {step})" in line
     assert ("crc32c mismatch" in lines[0] and "crc32c mismatch" in lines[1] and "missing" in lines[2])
-    assert result.stderr.strip() == f"invalid: {len(damaged)} problem(s)"
+    assert result.stderr.strip() == f"invalid: {len(damaged)} problems"
 
     report = json.loads(invoke("validate", chain, "--deep", "--json", code=1).stdout)
     assert report["ok"] is False
@@ -426,7 +427,7 @@ def test_compact(chain_copy: Built) -> None:
         assert len(reader.state.replay_path(s)[1]) <= 2, s
         assert_same(training_state(reader.materialize(s)), before[s], f"step {s} after --max-replay")
 
-    out = invoke("compact", chain, "--keep-last", 3, "--keep-every", 4).stdout
+    out = invoke("compact", chain, "--keep-last", 3, "--keep-every", 4, "--yes").stdout
     kept = [0, 4, 8, 10, 11, 12]
     assert out.startswith(f"did keep {len(kept)} steps, drop {STEPS + 1 - len(kept)}, ")
     reader = ChainReader(chain)
@@ -481,4 +482,4 @@ def test_truncate_then_append(chain_copy: Built) -> None:
     if kind != "grad.topk":  # top-k residuals restart from zero when resuming between anchors
         assert_state_bits_equal(live, chain_copy.truth[after + 1], "resumed run reproduces the original")
     out = invoke("validate", chain).stdout
-    assert out.strip() == f"ok: {after + 2} steps, 1 anchors"
+    assert out.strip() == f"ok: {after + 2} steps, 1 anchor"

@@ -195,7 +195,7 @@ def test_materialize_write_failure_mid_file(chain: Path, tmp_path: Path, monkeyp
         target.write_bytes(b"previous")
     seen: list[list[str]] = []
     FAILS[suffix](monkeypatch, code, out_dir, seen)
-    line = fails(3, "materialize", chain, "--step", 7, "-o", target,
+    line = fails(3, "materialize", chain, "--step", 7, "-o", target, "--force",
                  names=(str(target), "step 7", os.strerror(code), errno.errorcode[code]))
     assert ("the existing file is unchanged" if existing else "no file was written") in line
     # The serializer wrote into a temporary file next to the target, not into the target ...
@@ -208,7 +208,7 @@ def test_materialize_write_failure_mid_file(chain: Path, tmp_path: Path, monkeyp
         assert target.read_bytes() == b"previous"
     # Without the fault the same command writes the file (and only it).
     monkeypatch.undo()
-    assert run("materialize", chain, "--step", 7, "-o", target).exit_code == 0
+    assert run("materialize", chain, "--step", 7, "-o", target, "--force").exit_code == 0
     assert files_in(out_dir) == ["state" + suffix]
 
 

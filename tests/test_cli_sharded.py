@@ -395,7 +395,7 @@ def test_compact_keeps_the_same_steps_in_every_rank_chain(chain_copy: Path) -> N
                             "--dry-run", "--json").stdout)
     assert digest(chain_copy) == files, "a dry run changed the chain"
     plan = json.loads(invoke("compact", chain_copy, "--keep-last", 2, "--keep-every", 3, "--max-replay", 1,
-                             "--json").stdout)
+                             "--json", "--yes").stdout)
     kept = [s for s in range(STEPS + 1) if s >= STEPS - 1 or s % 3 == 0]
     assert plan["committed"] and plan["kept_steps"] == dry["kept_steps"] == len(kept)
     assert plan["dropped_steps"] == dry["dropped_steps"] == [s for s in range(STEPS + 1) if s not in kept]
@@ -486,7 +486,8 @@ def test_a_live_writer_on_one_rank_refuses_maintenance(chain_copy: Path) -> None
     rank1 = ldformat.ChainReader(chain_copy / "ranks" / "00001")
     held = WriterLock.acquire(rank1.store, rank1.path)
     try:
-        for args in (("compact", chain_copy, "--keep-last", 2), ("truncate", chain_copy, "--after", 2, "--yes")):
+        for args in (("compact", chain_copy, "--keep-last", 2, "--yes"),
+                     ("truncate", chain_copy, "--after", 2, "--yes")):
             proc = subprocess.run([sys.executable, "-m", "ldtools", *map(str, args)], capture_output=True,
                                   text=True, timeout=TIMEOUT_S)
             assert proc.returncode == 4, (args, proc.stderr)

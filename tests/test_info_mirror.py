@@ -50,7 +50,7 @@ def test_info_reports_the_mirror_lag(tmp_path: Path) -> None:
     assert lag["mirror_latest_step"] == 3 and lag["lag_steps"] == 3 and lag["lag_records"] >= 3
     assert lag["lag_seconds"] >= 0.05
     code, out = _info(str(chain), "--mirror", mirror)
-    assert "3 step(s)" in out and "behind (at step 3" in out and "ldtools sync" in out
+    assert "3 steps" in out and "behind (at step 3" in out and "ldtools sync" in out
 
     ldformat.sync(chain, mirror)
     assert json.loads(_info(str(chain), "--mirror", mirror, "--json")[1])["mirror"]["lag_records"] == 0

@@ -132,7 +132,7 @@ def test_truncate_with_nothing_after_needs_no_consent(chain: Path) -> None:
 def test_compact_with_retention_refuses_without_yes(chain: Path) -> None:
     before = listing(chain)
     line = fails(2, "compact", chain, "--keep-last", 3)
-    assert "--keep-last removes committed steps" in line and "--yes" in line and "nothing was changed" in line
+    assert "compact would remove 10 steps (0..9)" in line and "--yes" in line and "nothing was changed" in line
     assert listing(chain) == before
     assert "would keep 3 steps" in ok("compact", chain, "--keep-last", 3, "--dry-run")  # a dry run never asks
     assert listing(chain) == before
@@ -140,9 +140,10 @@ def test_compact_with_retention_refuses_without_yes(chain: Path) -> None:
     assert ChainReader(chain).steps == [10, 11, 12]
 
 
-def test_compact_without_retention_keeps_every_step_and_does_not_ask(chain: Path) -> None:
+def test_compact_that_removes_no_step_does_not_ask(chain: Path) -> None:
     out = ok("compact", chain, "--max-replay", 1)
     assert out.startswith(f"did keep {STEPS + 1} steps, drop 0, ")
+    assert ok("compact", chain, "--keep-last", STEPS + 1).startswith(f"did keep {STEPS + 1} steps, drop 0, ")
     assert ChainReader(chain).steps == list(range(STEPS + 1))
 
 

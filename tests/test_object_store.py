@@ -611,7 +611,7 @@ def test_ldtools_on_an_s3_url(s3_env: MotoServer, tmp_path: Path, kind: str) -> 
     assert_state_bits_equal(torch.load(out, weights_only=True), chain.truth[7], "ldtools materialize")
     for step in range(STEPS + 1):  # every step, in this process
         out = tmp_path / f"step{step}.pt"
-        made = _ldtools_in_process("materialize", url, "--step", str(step), "-o", str(out))
+        made = _ldtools_in_process("materialize", url, "--step", str(step), "-o", str(out), "--force")
         assert made.returncode == 0, made.stderr
         assert_state_bits_equal(torch.load(out, weights_only=True), chain.truth[step], f"materialize {step}")
     compacted = run("compact", url, "--max-replay", "2", "--json")

@@ -539,7 +539,7 @@ def test_hsdp_truncate_and_compact(w4: Launch, tmp_path: Path) -> None:
     shutil.copytree(w4.chain("hsdp-lowdiffp"), chain)
     result = invoke("truncate", chain, "--after", MID, "--yes")
     assert result.exit_code == 0, result.output
-    result = invoke("compact", chain, "--keep-last", 3)
+    result = invoke("compact", chain, "--keep-last", 3, "--yes")
     assert result.exit_code == 0, result.output
     reader = ldformat.open_reader(chain)
     assert reader.steps[-1] == MID and len(reader.steps) == 3

@@ -350,7 +350,7 @@ def test_truncate_and_compact(w4: Launch, tmp_path: Path, key: str) -> None:
     cli_ok("validate", chain)
     cli_ok("compact", chain, "--max-replay", 1)
     assert_chain_matches(chain, w4, run, list(range(6)))
-    cli_ok("compact", chain, "--keep-last", 3)
+    cli_ok("compact", chain, "--keep-last", 3, "--yes")
     assert_chain_matches(chain, w4, run, [3, 4, 5])
     report = ldformat.validate(chain, deep=True)
     assert report.ok, report.problems
