@@ -57,6 +57,7 @@ from .errors import (
     ChainLockedError,
     CorruptChainError,
     LdformatError,
+    LockLostError,
     UnsupportedStateError,
     UsageError,
     WriterIOError,
@@ -782,7 +783,7 @@ class ChainWriter:
         creating = self._pending_root is not None
         self._io("the commit record", lambda: commit_record(
             self.store, self.path, self._state, self._lock, type="append", reason="create" if creating else "append",
-            anchors=self._pending_anchors, deltas=self._pending_deltas))
+            anchors=self._pending_anchors, deltas=self._pending_deltas), outcome_unknown=True)
         if self._pending_root is not None:
             assert self._lock is not None
             self._io(ROOT_FILE, self._lock.check)  # a creation taken over meanwhile creates no root
@@ -888,29 +889,55 @@ class ChainWriter:
         """The newest recorded step (committed or not)."""
         return self._last_step
 
-    def _io(self, what: str, fn: Callable[..., object], *args: Any) -> None:
-        """Run a storage call; a failure poisons the writer with a clear error."""
-        durable = "no step is durable yet" if self.durable_step is None else (
-            f"nothing after step {self.durable_step} is durable and the chain is valid there")
+    def _io(self, what: str, fn: Callable[..., object], *args: Any, outcome_unknown: bool = False) -> None:
+        """Run a storage call; a failure poisons the writer with a clear error. ``outcome_unknown``:
+        the call creates a commit record, which may exist although the call failed (spec §7.4 step 5)."""
+        if outcome_unknown:
+            durable = ("the chain is valid either without or with this commit's steps (the next open decides); "
+                       f"nothing after {'its creation' if self.durable_step is None else f'step {self.durable_step}'}"
+                       " is known to be durable")
+        else:
+            durable = "no step is durable yet" if self.durable_step is None else (
+                f"nothing after step {self.durable_step} is durable and the chain is valid there")
         try:
             fn(*args)
-        except WriterIOError as e:  # already names the object (the commit path's I/O errors)
+        except WriterIOError as e:
+            self._raise_if_superseded()
+            self._raise_io(what, e, durable)
+        except ChainError as e:
+            self._failed = e
+            raise
+        except OSError as e:
+            self._raise_if_superseded()
+            self._raise_io(what, e, durable)
+
+    def _raise_if_superseded(self) -> None:
+        """After a failed storage call: if another process took the lock over meanwhile (and,
+        say, removed this writer's uncommitted objects as garbage), that is the error to report."""
+        if self._lock is None:
+            return
+        try:
+            self._lock.check()
+        except LockLostError as lost:
+            self._failed = lost
+            raise lost from None
+        except (LdformatError, OSError):
+            pass  # the store fails for the check too: the original error says more
+
+    def _raise_io(self, what: str, e: OSError, durable: str) -> NoReturn:
+        if isinstance(e, WriterIOError):  # already names the object (the commit path's I/O errors)
             err = WriterIOError(f"{e}; {durable}. Fix the cause and re-open the chain with ChainWriter.open "
                                 "to continue")
             err.errno = e.errno
             self._failed = err
             raise err from None
-        except ChainError as e:
-            self._failed = e
-            raise
-        except OSError as e:
-            err = WriterIOError(
-                f"{self.path}/{what}: {e.strerror or e} (errno {e.errno}); {durable}. Fix the cause and "
-                "re-open the chain with ChainWriter.open to continue"
-            )
-            err.errno = e.errno
-            self._failed = err
-            raise err from None
+        err = WriterIOError(
+            f"{self.path}/{what}: {e.strerror or e} (errno {e.errno}); {durable}. Fix the cause and "
+            "re-open the chain with ChainWriter.open to continue"
+        )
+        err.errno = e.errno
+        self._failed = err
+        raise err from None
 
     def _check_usable(self) -> None:
         if self._failed is not None:
