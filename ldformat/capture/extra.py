@@ -2,17 +2,49 @@
 
 The RNG states (§19.2), the process's and those the optimizer holds of its own, come from
 :mod:`.rng`, the sampler position (§19.4) from the sampler; :mod:`.resume` reads them back
-(§19.5).
+(§19.5). The scalars the loop logs (``Checkpointer.log``) are checked here (§19.1 ``scalars``).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Protocol
 
 import torch
 
+from ..errors import UsageError
 from .rng import capture_optimizer_rng
+
+#: At most this many scalars per step (spec §19.1 ``scalars``): the extra of every step entry
+#: is read with the log, so it stays small.
+MAX_SCALARS = 64
+#: A scalar's name: 1 to 64 characters among letters, digits and ``_ . / : -``.
+SCALAR_NAME = re.compile(r"[A-Za-z0-9_./:-]{1,64}")
+
+
+def check_scalars(scalars: dict[str, object], logged: int) -> dict[str, float]:
+    """``scalars`` as floats, checked against spec §19.1 (``logged``: names already logged
+    for the step and not among these). NaN and infinities are kept: after a spike they are the
+    values that matter; the extra encodes them as tagged floats (spec §6.1).
+
+    Raises:
+        UsageError: a bad name, a value that is not a real number, or too many scalars.
+    """
+    out: dict[str, float] = {}
+    for name, value in scalars.items():
+        if not SCALAR_NAME.fullmatch(name):
+            raise UsageError(f"Checkpointer.log: scalar name {name!r} is not 1-64 letters, digits or _ . / : -")
+        try:
+            # float() takes Python and NumPy numbers and one-element tensors (a GPU one syncs).
+            out[name] = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            raise UsageError(f"Checkpointer.log: scalar {name}={value!r} is not a real number "
+                             "(pass a float, an int or a one-element tensor)") from None
+    if logged + len(out) > MAX_SCALARS:
+        raise UsageError(f"Checkpointer.log: more than {MAX_SCALARS} scalars for one step (spec §19.1); "
+                         "log fewer, or keep the rest in your own logger")
+    return out
 
 
 class Stateful(Protocol):
@@ -34,6 +66,7 @@ def loop_extra(
     user: dict[str, object],
     ranks: dict[str, dict[str, object]] | None = None,
     optimizer: torch.optim.Optimizer | None = None,
+    scalars: dict[str, float] | None = None,
 ) -> dict[str, object]:
     """The extra state of one step as Python values: copies, not live objects.
 
@@ -47,6 +80,7 @@ def loop_extra(
         optimizer: its own generators, outside its ``state_dict()``, are recorded as
             ``optimizer_rng`` (:func:`~ldformat.capture.rng.capture_optimizer_rng`). Taken here,
             when the step is queued: only the optimizer's next step draws from them.
+        scalars: what the loop logged for the step (:func:`check_scalars`), as ``scalars``.
 
     Returns:
         A dict for :func:`ldformat.jsonvalue.encode` (which the background writer runs).
@@ -66,4 +100,6 @@ def loop_extra(
     generators = capture_optimizer_rng(optimizer) if optimizer is not None else {}
     if generators:
         extra["optimizer_rng"] = generators
+    if scalars:
+        extra["scalars"] = dict(scalars)
     return extra

@@ -64,7 +64,7 @@ from .ddp import (
     peer_residual_tensors,
     world_size,
 )
-from .extra import Stateful, loop_extra
+from .extra import Stateful, check_scalars, loop_extra
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
 from .policy import AdaptiveTuner, PolicyInputs
@@ -313,6 +313,7 @@ class Checkpointer:
             raise UsageError("pass the data position as data= (sampler= is its former name), not both")
         self.sampler = data if data is not None else sampler
         self.user_extra: dict[str, object] = dict(extra or {})
+        self._scalars: dict[str, float] = {}  # logged for the step that closes next (log())
         self.compressor = compressor if compressor is not None else (TopK(topk_ratio) if mode == "lowdiff" else None)
         self._compress = compress and mode == "lowdiff"
         self.process_group = process_group
@@ -732,7 +733,9 @@ class Checkpointer:
             scratch=True,  # the staging buffers, refilled only after the writer's encoded()
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
-        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data), pending.buffers,
+        scalars, self._scalars = self._scalars, {}
+        self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
+                                    pending.buffers,
                                     pending.ranks))
         self._step = step
         if anchor:
@@ -744,16 +747,42 @@ class Checkpointer:
         return frozenset((i, k) for i, p in enumerate(self._params) for k in self.optimizer.state.get(p, {}))
 
     def _raw_extra(self, rng: dict[str, Any] | None, data: dict[str, Any] | None,
-                   ranks: dict[str, dict[str, object]] | None = None) -> dict[str, object]:
+                   ranks: dict[str, dict[str, object]] | None = None,
+                   scalars: dict[str, float] | None = None) -> dict[str, object]:
         """The extra state of this step as Python values (spec §19.1); copies, not live objects;
         ``ranks``: the other data-parallel ranks' RNG states and data positions."""
         return loop_extra(rng=rng or {}, scheduler=self.scheduler, scaler=self.scaler, data=data,
-                          policy=self.tuning.extra(), user=self.user_extra, ranks=ranks, optimizer=self.optimizer)
+                          policy=self.tuning.extra(), user=self.user_extra, ranks=ranks, optimizer=self.optimizer,
+                          scalars=scalars)
 
     def _data_state(self) -> dict[str, Any] | None:
         return self.sampler.state_dict() if self.sampler is not None else None
 
     # -- public control -----------------------------------------------------------------------
+    def log(self, **scalars: object) -> None:
+        """Record scalars (the loss, the gradient norm, ...) with the step that closes next
+        (spec §19.1 ``scalars``; ``ldtools stats`` and ``ldtools plot`` show them).
+
+        A step closes when ``optimizer.step()`` returns, or, with a ``scheduler`` or
+        ``scaler``, when its ``step()``/``update()`` returns. So call ``log`` after
+        ``loss.backward()`` and before ``optimizer.step()`` (or before ``scheduler.step()``
+        when there is one): the loss is known then. Several calls for one step merge, a
+        later value replacing an earlier one. At most 64 names per step, of 1-64 letters,
+        digits or ``_ . / : -``; a value is anything ``float()`` takes (a one-element tensor
+        on a GPU synchronizes). NaN and infinities are recorded as they are (tagged floats,
+        spec §6.1): after a spike they are the values that matter.
+
+        Raises:
+            UsageError: a bad name, a value that is not a number, or more than 64 scalars.
+
+        Example:
+            >>> loss.backward()                                           # doctest: +SKIP
+            >>> ck.log(loss=loss, grad_norm=clip_grad_norm_(params, 1.0))  # doctest: +SKIP
+            >>> optimizer.step()                                          # doctest: +SKIP
+        """
+        checked = check_scalars(dict(scalars), len(set(self._scalars) - set(scalars)))
+        self._scalars.update(checked)
+
     @property
     def step(self) -> int:
         """The last captured step (queued; see :attr:`durable_step`)."""

@@ -368,6 +368,8 @@ class LdformatCheckpoint(Callback):
         self._global_step = trainer.global_step
         self._pending = _progress_state(trainer)
         self._pending_rng = _rng()
+        # The step closes at the next batch's start: the loss and the lr it used go with it.
+        self.checkpointer.log(**_step_scalars(outputs, trainer))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(trainer)
@@ -430,6 +432,21 @@ class LdformatCheckpoint(Callback):
         if self._temporary is not None:
             shutil.rmtree(self._temporary, ignore_errors=True)
             self._temporary = None
+
+
+def _step_scalars(outputs: object, trainer: pl.Trainer) -> dict[str, object]:
+    """The flight recorder's scalars of a step (spec §19.1 ``scalars``): the loss
+    ``training_step`` returned (a tensor, or a dict's ``"loss"``) and the first optimizer's
+    learning rate (Lightning steps per-step schedulers after this hook)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    out: dict[str, object] = {}
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        out["loss"] = loss.detach()
+    groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
+    lr = groups[0].get("lr") if groups else None
+    if isinstance(lr, (int, float, torch.Tensor)) and not isinstance(lr, bool):
+        out["lr"] = lr
+    return out
 
 
 def _progress_state(trainer: pl.Trainer) -> dict[str, object]:

@@ -1,0 +1,488 @@
+"""The flight recorder: what every step of a chain did to the model (spec §11.5-§11.6 replay,
+§19.1 ``scalars``).
+
+:func:`step_history` replays a range of a chain once and yields one :class:`StepStats` per
+step: the scalars the training loop logged (``Checkpointer.log``), the learning rates the
+step used, per group of parameters (module prefix) the update ``‖w_t − w_{t−1}‖``, the
+relative update ``‖Δw‖/‖w‖``, the weight norm and Adam's ``exp_avg_sq`` statistics, the
+bytes the step took, and whether its loss or relative update jumped (:class:`SpikeDetector`).
+Every number comes from the replayed state, which is the recorded state bit for bit.
+
+:func:`diff_states` compares two states tensor by tensor (``ldtools diff``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .checks import check_extra
+from .errors import UsageError
+from .jsonvalue import JSON, decode
+from .manifest import StepEntry
+from .reader import ChainReader, _Prefetcher, _unexpected_as_corrupt
+from .replay import Replayer
+
+#: The trailing window of the spike detector, in present steps.
+SPIKE_WINDOW = 20
+#: Steps of history needed before the detector flags anything.
+SPIKE_MIN_HISTORY = 5
+#: Robust z-score ``0.6745 (x − median) / MAD`` above which a value is a spike (Iglewicz and
+#: Hoaglin's outlier rule).
+SPIKE_THRESHOLD = 3.5
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupStats:
+    """The parameters of one module prefix at one step.
+
+    ``update_norm`` and ``relative_update`` are ``None`` when the previous step's state is not
+    known (the range's first step is the chain's first). ``v_mean``/``v_max``: of Adam's
+    ``exp_avg_sq`` over the group's parameters, ``None`` where the optimizer has none.
+    """
+
+    name: str
+    numel: int
+    weight_norm: float
+    update_norm: float | None
+    relative_update: float | None
+    v_mean: float | None = None
+    v_max: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "numel": self.numel, "weight_norm": self.weight_norm,
+                "update_norm": self.update_norm, "relative_update": self.relative_update,
+                "v_mean": self.v_mean, "v_max": self.v_max}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """One step of a chain's history.
+
+    ``present`` is ``False`` for a step the chain no longer holds (compacted away): such a
+    step has no numbers, and the next present step's update spans the gap (``since``).
+    ``flags`` names what jumped: ``"loss"``, ``"relative_update"``, or ``"nonfinite_loss"``.
+    """
+
+    step: int
+    present: bool = True
+    anchor: bool = False
+    since: int | None = None  # the step the update is measured from
+    scalars: dict[str, float] = field(default_factory=dict)
+    lrs: tuple[float, ...] = ()
+    weight_norm: float | None = None
+    update_norm: float | None = None
+    relative_update: float | None = None
+    groups: tuple[GroupStats, ...] = ()
+    bytes: int = 0
+    flags: tuple[str, ...] = ()
+
+    @property
+    def loss(self) -> float | None:
+        return self.scalars.get("loss")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able: non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
+        return {"step": self.step, "present": self.present, "anchor": self.anchor, "since": self.since,
+                "scalars": {k: _json_float(v) for k, v in self.scalars.items()}, "lrs": list(self.lrs),
+                "weight_norm": self.weight_norm, "update_norm": self.update_norm,
+                "relative_update": self.relative_update, "bytes": self.bytes, "flags": list(self.flags),
+                "groups": [g.to_dict() for g in self.groups]}
+
+
+def _json_float(v: float) -> float | str:
+    return v if math.isfinite(v) else repr(v)
+
+
+def group_of(name: str, depth: int) -> str:
+    """The module prefix of parameter ``name`` at ``depth`` (``"layers.3"`` for
+    ``"layers.3.attn.weight"`` at depth 2); never the parameter's own last component."""
+    parts = name.split(".")
+    return ".".join(parts[: max(1, min(depth, len(parts) - 1))])
+
+
+class SpikeDetector:
+    """Flags a value whose robust z-score against the trailing window exceeds the threshold.
+
+    Only upward jumps count (a loss that drops is not a problem). With a MAD of zero (a
+    window of equal values), any larger value counts as a jump. Non-finite values are always
+    flagged and never enter the window.
+    """
+
+    def __init__(self, window: int = SPIKE_WINDOW, threshold: float = SPIKE_THRESHOLD,
+                 min_history: int = SPIKE_MIN_HISTORY) -> None:
+        self.threshold, self.min_history = threshold, min_history
+        self.values: deque[float] = deque(maxlen=window)
+
+    def score(self, x: float) -> float | None:
+        """The robust z-score of ``x`` (``inf`` for a non-finite ``x``), None without enough history."""
+        if not math.isfinite(x):
+            return math.inf
+        if len(self.values) < self.min_history:
+            return None
+        med = statistics.median(self.values)
+        mad = statistics.median(abs(v - med) for v in self.values)
+        if mad == 0.0:
+            return math.inf if x > med else 0.0
+        return 0.6745 * (x - med) / mad
+
+    def add(self, x: float) -> bool:
+        """Score ``x`` then add it to the window; True if it is a spike."""
+        z = self.score(x)
+        if math.isfinite(x):
+            self.values.append(x)
+        return z is not None and z > self.threshold
+
+
+def rollback_step(history: list[StepStats]) -> int | None:
+    """The last present step before the first flagged one: the state to roll back to."""
+    last: int | None = None
+    for s in history:
+        if s.flags:
+            return last
+        if s.present:
+            last = s.step
+    return None
+
+
+# -- replaying a range once ------------------------------------------------------------------
+class _Norms:
+    """Per-parameter statistics of a replayed state, with the previous step's weights kept
+    (one copy of the parameters) to measure each update."""
+
+    def __init__(self, replayer: Replayer, depth: int) -> None:
+        self.names = replayer.schema.params
+        self.groups = [group_of(n, depth) for n in self.names]
+        self.prev: dict[int, torch.Tensor] = {}
+
+    def weights(self, replayer: Replayer) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for n in self.names:
+            t = replayer.tensors.get(f"model/{n}")
+            out.append(t.detach() if t is not None and t.is_floating_point() else None)
+        return out
+
+    def remember(self, replayer: Replayer) -> None:
+        for i, w in enumerate(self.weights(replayer)):
+            if w is None:
+                continue
+            buf = self.prev.get(i)
+            if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or buf.device != w.device:
+                self.prev[i] = w.clone()
+            else:
+                buf.copy_(w)
+
+    def measure(self, replayer: Replayer, with_update: bool) -> tuple[float, float | None, tuple[GroupStats, ...]]:
+        """(weight norm, update norm, groups); squares summed in float64 per tensor."""
+        acc: dict[str, list[float]] = {}  # group -> [numel, w^2, dw^2, v sum, v max, v numel]
+        moments = _second_moments(replayer)
+        for i, w in enumerate(self.weights(replayer)):
+            if w is None:
+                continue
+            a = acc.setdefault(self.groups[i], [0.0, 0.0, 0.0, 0.0, -math.inf, 0.0])
+            a[0] += w.numel()
+            a[1] += _sq(w)
+            prev = self.prev.get(i)
+            if with_update and prev is not None:
+                a[2] += _sq(torch.sub(w, prev))
+            v = moments.get(i)
+            if v is not None and v.numel():
+                a[3] += float(v.sum(dtype=torch.float64))
+                a[4] = max(a[4], float(v.max()))
+                a[5] += v.numel()
+        groups = tuple(GroupStats(
+            name=g, numel=int(a[0]), weight_norm=math.sqrt(a[1]),
+            update_norm=math.sqrt(a[2]) if with_update else None,
+            relative_update=_ratio(math.sqrt(a[2]), math.sqrt(a[1])) if with_update else None,
+            v_mean=a[3] / a[5] if a[5] else None, v_max=a[4] if a[5] else None,
+        ) for g, a in acc.items())
+        w2 = sum(a[1] for a in acc.values())
+        u2 = sum(a[2] for a in acc.values())
+        return math.sqrt(w2), math.sqrt(u2) if with_update else None, groups
+
+
+def _sq(t: torch.Tensor) -> float:
+    """The sum of squares of ``t``, accumulated in float64."""
+    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else (0.0 if a == 0 else math.inf)
+
+
+def _second_moments(replayer: Replayer) -> dict[int, torch.Tensor]:
+    """Adam's ``exp_avg_sq`` by parameter index, from the optimizer gradient replay is
+    stepping, else from the stored tensors (``state.xor``, or before the first stepped step)."""
+    # Private members of the replayer: syncing its tensors each step would rebuild the
+    # optimizer's state_dict every step, for a read.
+    opt, params = replayer._optimizer, replayer._params
+    out: dict[int, torch.Tensor] = {}
+    if opt is not None:
+        for i, p in enumerate(params):
+            v = opt.state.get(p, {}).get("exp_avg_sq")
+            if isinstance(v, torch.Tensor):
+                out[i] = v
+        return out
+    for name, t in replayer.tensors.items():
+        if name.startswith("optimizer/") and name.endswith("/exp_avg_sq"):
+            index = name[len("optimizer/"):-len("/exp_avg_sq")]
+            if index.isdigit():
+                out[int(index)] = t
+    return out
+
+
+def _lrs(entry_hyper: JSON, param_groups: JSON, where: str) -> tuple[float, ...]:
+    """The learning rate of each param group the step used (``hyper``), else as recorded after it."""
+    groups = decode(entry_hyper if entry_hyper is not None else param_groups, f"{where}: param groups")
+    out: list[float] = []
+    if isinstance(groups, list):
+        for g in groups:
+            lr = g.get("lr") if isinstance(g, dict) else None
+            if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+                lr = float(lr)
+            if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+                out.append(float(lr))
+    return tuple(out)
+
+
+def _scalars(extra: JSON, where: str) -> dict[str, float]:
+    decoded = check_extra(extra, where)
+    found = decoded.get("scalars")
+    if not isinstance(found, dict):
+        return {}
+    return {k: float(v) for k, v in found.items()
+            if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def step_history(chain: str | ChainReader, *, first: int | None = None, last: int | None = None,
+                 depth: int = 1) -> Iterator[StepStats]:
+    """Replay steps ``first``..``last`` of ``chain`` once, yielding each step's statistics.
+
+    Args:
+        chain: a path or URL, or an open :class:`ChainReader`.
+        first, last: the range (default: the whole chain). The state before ``first`` is
+            replayed too (without a record), so that ``first`` has an update.
+        depth: parameters are grouped by the first ``depth`` components of their names.
+
+    Yields:
+        :class:`StepStats` in step order, ``present=False`` for steps the chain no longer
+        holds. Flags come from a :class:`SpikeDetector` per series (loss, relative update).
+
+    Raises:
+        UsageError: an empty range or a ``depth`` below 1.
+        CorruptChainError, MissingObjectError: as :meth:`ChainReader.materialize`.
+
+    Example:
+        >>> for s in step_history("runs/chain", first=100):           # doctest: +SKIP
+        ...     print(s.step, s.loss, s.relative_update, s.flags)
+    """
+    if depth < 1:
+        raise UsageError(f"depth must be at least 1, not {depth}")
+    reader = chain if isinstance(chain, ChainReader) else ChainReader(chain)
+    steps = reader.steps
+    lo = steps[0] if first is None or (steps and first < steps[0]) else first
+    hi = steps[-1] if last is None else last
+    wanted = [s for s in steps if lo <= s <= hi]
+    if not wanted:
+        raise UsageError(f"{reader.path}: no committed step in {lo}..{hi} (committed: {steps[0] if steps else '-'}"
+                         f"..{steps[-1] if steps else '-'}); pick a range inside the chain")
+    detectors = {"loss": SpikeDetector(), "relative_update": SpikeDetector()}
+    for stats in _walk(reader, wanted, depth):
+        yield _flag(stats, detectors)
+
+
+def _flag(stats: StepStats, detectors: dict[str, SpikeDetector]) -> StepStats:
+    if not stats.present:
+        return stats
+    flags: list[str] = []
+    loss = stats.loss
+    if loss is not None:
+        if not math.isfinite(loss):
+            flags.append("nonfinite_loss")
+        if detectors["loss"].add(loss) and math.isfinite(loss):
+            flags.append("loss")
+    # An update over a gap of compacted steps is not one step's: kept out of the window.
+    if stats.relative_update is not None and stats.since == stats.step - 1:
+        if detectors["relative_update"].add(stats.relative_update):
+            flags.append("relative_update")
+    if not flags:
+        return stats
+    return StepStats(**{**_fields(stats), "flags": tuple(flags)})
+
+
+def _fields(s: StepStats) -> dict[str, Any]:
+    return {k: getattr(s, k) for k in s.__dataclass_fields__}
+
+
+def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepStats]:
+    """Runs of deltas that continue the previous step are streamed through one prefetcher;
+    a break (a step whose base is not the step before it) restarts from its anchor."""
+    state = reader.state
+    earlier = [s for s in reader.steps if s < wanted[0]]
+    replayer: Replayer | None = None
+    norms: _Norms | None = None
+    cur: int | None = None
+    if earlier:
+        cur = earlier[-1]
+        replayer = _replay_to(reader, cur)
+        norms = _Norms(replayer, depth)
+        norms.remember(replayer)
+    i = 0
+    while i < len(wanted):
+        run: list[int] = []
+        while i < len(wanted):
+            d = state.deltas.get(wanted[i])
+            if replayer is None or d is None or d[1].base != (run[-1] if run else cur):
+                break
+            run.append(wanted[i])
+            i += 1
+        if run and replayer is not None and norms is not None:
+            yield from _stream(reader, replayer, norms, run, cur)
+            cur = run[-1]
+            continue
+        s = wanted[i]
+        if cur is not None:
+            yield from (StepStats(step=g, present=False) for g in range(cur + 1, s))
+        replayer = reader.start_replay(s) if s in state.anchors else _replay_to(reader, s)
+        if norms is None:
+            norms = _Norms(replayer, depth)
+        yield _record(reader, replayer, norms, s, cur, _entry_of(reader, s), anchor=s in state.anchors)
+        norms.remember(replayer)
+        cur = s
+        i += 1
+
+
+def _replay_to(reader: ChainReader, step: int) -> Replayer:
+    anchor, path = reader.state.replay_path(step)
+    replayer = reader.start_replay(anchor)
+    reader.replay_steps(replayer, path)
+    return replayer
+
+
+def _entry_of(reader: ChainReader, step: int) -> StepEntry | None:
+    d = reader.state.deltas.get(step)
+    return d[1] if d is not None else None
+
+
+def _stream(reader: ChainReader, replayer: Replayer, norms: _Norms, run: list[int],
+            cur: int | None) -> Iterator[StepStats]:
+    """Apply the deltas of ``run`` (each based on the one before it) one by one, measuring each."""
+    prev = cur
+    batches = _Prefetcher(reader, run)
+    try:
+        for entry, batch, items in batches:
+            slots = {slot.name: slot for slot in entry.slots}
+            for s, step_entry in items:
+                where = f"{reader.path}/{entry.path} (step {s})"
+                if prev is not None and s != prev + 1:
+                    yield from (StepStats(step=g, present=False) for g in range(prev + 1, s))
+                with _unexpected_as_corrupt(where):
+                    if reader.kind == "state.xor":
+                        replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
+                    else:
+                        replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
+                yield _record(reader, replayer, norms, s, prev, step_entry, anchor=s in reader.state.anchors)
+                norms.remember(replayer)
+                prev = s
+            del batch
+    finally:
+        batches.close()
+
+
+def _record(reader: ChainReader, replayer: Replayer, norms: _Norms, step: int, since: int | None,
+            entry: StepEntry | None, *, anchor: bool) -> StepStats:
+    where = f"{reader.path} (step {step})"
+    weight, update, groups = norms.measure(replayer, with_update=since is not None)
+    nbytes = 0
+    if entry is not None:
+        delta = reader.state.deltas[step][0]
+        nbytes += sum(o.size for o in delta.objects) // max(1, delta.rows)  # the step's share of its batch
+        lrs = _lrs(entry.hyper, entry.param_groups, where)
+        scalars = _scalars(entry.extra, where)
+    else:
+        a = reader.state.anchors[step]
+        lrs = _lrs(None, a.param_groups, where)
+        scalars = _scalars(a.extra, where)
+    if anchor:
+        nbytes += reader.state.anchors[step].object.size
+    return StepStats(step=step, anchor=anchor, since=since, scalars=scalars, lrs=lrs, weight_norm=weight,
+                     update_norm=update, relative_update=_ratio(update, weight) if update is not None else None,
+                     groups=groups, bytes=nbytes)
+
+
+# -- comparing two states ----------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class TensorDiff:
+    """How tensor ``name`` differs between state A and state B.
+
+    ``status``: ``"same"``, ``"changed"``, ``"only_a"``, ``"only_b"`` or ``"mismatch"`` (dtype or
+    shape differ: no numbers). ``changed_fraction`` counts elements whose bits differ;
+    ``first_index`` is the first such element (flat index, row-major).
+    """
+
+    name: str
+    status: str
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    max_abs: float | None = None
+    relative_norm: float | None = None
+    changed_fraction: float | None = None
+    first_index: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "dtype": self.dtype, "shape": list(self.shape),
+                "max_abs": self.max_abs, "relative_norm": self.relative_norm,
+                "changed_fraction": self.changed_fraction, "first_index": self.first_index}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def diff_tensor(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
+    """Compare one tensor of two states (bits for what changed, float64 for the sizes)."""
+    dtype = str(a.dtype).removeprefix("torch.")
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return TensorDiff(name=name, status="mismatch", dtype=f"{dtype} / {str(b.dtype).removeprefix('torch.')}",
+                          shape=tuple(a.shape))
+    changed = _bits(a) != _bits(b)
+    n = int(changed.sum())
+    if n == 0:
+        return TensorDiff(name=name, status="same", dtype=dtype, shape=tuple(a.shape), max_abs=0.0,
+                          relative_norm=0.0, changed_fraction=0.0)
+    first = int(changed.nonzero()[0, 0])
+    fa = a.detach().reshape(-1).to(torch.float64) if not a.is_complex() else a.detach().reshape(-1).abs().double()
+    fb = b.detach().reshape(-1).to(torch.float64) if not b.is_complex() else b.detach().reshape(-1).abs().double()
+    d = fa - fb
+    return TensorDiff(name=name, status="changed", dtype=dtype, shape=tuple(a.shape),
+                      max_abs=float(d.abs().max()), relative_norm=_ratio(float(d.norm()), float(fa.norm())),
+                      changed_fraction=n / changed.numel(), first_index=first)
+
+
+def diff_states(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> list[TensorDiff]:
+    """Every tensor of ``a`` and ``b`` (stored names, spec §8), in ``a``'s order then ``b``'s extras."""
+    out = [diff_tensor(n, t, b[n]) if n in b else TensorDiff(name=n, status="only_a") for n, t in a.items()]
+    out += [TensorDiff(name=n, status="only_b") for n in b if n not in a]
+    return out
+
+
+def diff_steps(chain: str | ChainReader, step_a: int, step_b: int,
+               other: str | ChainReader | None = None) -> list[TensorDiff]:
+    """:func:`diff_states` of ``step_a`` of ``chain`` and ``step_b`` of ``other`` (default the same chain)."""
+    ra = chain if isinstance(chain, ChainReader) else ChainReader(chain)
+    rb = ra if other is None else other if isinstance(other, ChainReader) else ChainReader(other)
+    a = {n: t.clone() for n, t in ra.stored_tensors(step_a).items()}  # a replayer's own tensors
+    return diff_states(a, rb.stored_tensors(step_b))
+
+
+__all__ = ["GroupStats", "SPIKE_THRESHOLD", "SPIKE_WINDOW", "SpikeDetector", "StepStats", "TensorDiff",
+           "diff_states", "diff_steps", "diff_tensor", "group_of", "rollback_step", "step_history"]
