@@ -1431,6 +1431,9 @@ def sync(src: str, dst: str, as_json: bool, break_lock: bool, yes: bool, show_pr
           f"{report.seconds:.1f} s{deferred}")
 
 
+from . import history  # noqa: E402, F401  (registers stats, diff and plot on cli)
+
+
 def main() -> None:
     cli(prog_name="ldtools")
 
