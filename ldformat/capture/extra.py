@@ -37,7 +37,7 @@ def check_scalars(scalars: dict[str, object], logged: int) -> dict[str, float]:
             raise UsageError(f"Checkpointer.log: scalar name {name!r} is not 1-64 letters, digits or _ . / : -")
         try:
             # float() takes Python and NumPy numbers and one-element tensors (a GPU one syncs).
-            out[name] = float(value)  # type: ignore[arg-type]
+            out[name] = float(value.detach() if isinstance(value, torch.Tensor) else value)  # type: ignore[arg-type]
         except (TypeError, ValueError, RuntimeError):
             raise UsageError(f"Checkpointer.log: scalar {name}={value!r} is not a real number "
                              "(pass a float, an int or a one-element tensor)") from None
