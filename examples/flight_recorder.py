@@ -71,6 +71,12 @@ def main(out: Path) -> None:
     (out / "stats.txt").write_text(report)
     print(report)
     print(ldtools("plot", str(chain), "-o", str(out / "history.html")))
+    try:
+        import matplotlib  # noqa: F401  (the optional extra: pip install 'ldformat[plots]')
+    except ImportError:
+        print("matplotlib is not installed: no history.png (history.html needs nothing)")
+    else:
+        print(ldtools("plot", str(chain), "-o", str(out / "history.png")))
 
     # The rollback that stats advises: keep the steps before the first flagged one, resume.
     rollback = rollback_step(list(step_history(str(chain))))

@@ -268,7 +268,8 @@ def _write_png(f: IO[bytes], chain: str, history: list[StepStats]) -> None:
         im = axes[2].imshow(heat, aspect="auto", interpolation="nearest", cmap="magma",
                             extent=(x[0] - half, x[-1] + half, len(d.groups) - 0.5, -0.5))
         axes[2].set_yticks(range(len(d.groups)), d.groups)
-        fig.colorbar(im, ax=axes[2], label="log10 |dw|/|w|", pad=0.01)
+        # An inset outside the panel: a colorbar taking the panel's width would misalign its steps.
+        fig.colorbar(im, cax=axes[2].inset_axes((1.01, 0.0, 0.015, 1.0)), label="log10 |dw|/|w|")
     axes[2].set_ylabel("group")
     axes[3].bar(x, d.bytes, width=1.0, color="tab:gray")
     axes[3].set_ylabel("bytes")
@@ -278,7 +279,7 @@ def _write_png(f: IO[bytes], chain: str, history: list[StepStats]) -> None:
             ax.axvline(a, color="tab:blue", alpha=0.25, linewidth=0.8)
         for s in d.flagged:
             ax.axvline(s, color="red", alpha=0.6, linewidth=1.0, linestyle="--")
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.1, right=0.9, top=0.95, bottom=0.06, hspace=0.12)
     fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
 
