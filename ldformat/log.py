@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as _dt
+import logging
 import os
 import re
 import secrets
@@ -441,13 +442,17 @@ class WriterLock:
                         time.monotonic() - seen >= current.lease_s)
                     if not expired:
                         waited = time.monotonic() - started
-                        if waited < wait_s:
-                            time.sleep(min(1.0, max(0.01, wait_s - waited), (current.lease_s or 1.0) / 10))
+                        # A holder of this host's name from another boot is most likely this
+                        # machine before a reboot: wait out one lease (it renews if it runs).
+                        patience = max(wait_s, _reboot_wait(current) * 1.05)
+                        if waited < patience:
+                            _log_reboot_wait(current, where, patience)
+                            time.sleep(min(1.0, max(0.01, patience - waited), (current.lease_s or 1.0) / 10))
                             continue
                         raise ChainLockedError(
-                            f"{where}: the chain is locked by a running writer ({current.describe()}); "
-                            "close it first, wait for its lease to run out (lock_wait), or break the lock "
-                            "if that writer is known to be gone"
+                            f"{where}: the chain is locked by a running writer ({current.describe()}"
+                            f"{_elsewhere_note(current)}); close it first, wait for its lease to run out "
+                            "(lock_wait), or break the lock if that writer is known to be gone"
                         )
             generation = (generations[-1] if generations else 0) + 1
             took_over = current is not None and current.state == "held"
@@ -609,6 +614,37 @@ def _this_host(owner: LockOwner) -> bool:
     return (owner.host == socket.gethostname()
             and (owner.boot_id is None or owner.boot_id == BOOT_ID)
             and (owner.pid_namespace is None or owner.pid_namespace == PID_NAMESPACE))
+
+
+def _reboot_wait(owner: LockOwner) -> float:
+    """How long to watch a held generation with this host's name but another boot before taking
+    it over: its lease (spec §15.6), or 0 when it is not such a generation or has none."""
+    if owner.host == socket.gethostname() and owner.boot_id is not None and owner.boot_id != BOOT_ID:
+        return owner.lease_s or 0.0
+    return 0.0
+
+
+_reboot_logged: set[tuple[str, int]] = set()
+
+
+def _log_reboot_wait(owner: LockOwner, where: str, patience: float) -> None:
+    if _reboot_wait(owner) and (where, owner.generation) not in _reboot_logged:
+        _reboot_logged.add((where, owner.generation))
+        logging.getLogger("ldformat").warning(
+            "%s: the lock is held by %s, recorded before this machine's last reboot (or on another machine of "
+            "the same name); waiting up to %.0f s for its lease to run out", where, owner.describe(), patience)
+
+
+def _elsewhere_note(owner: LockOwner) -> str:
+    """Why a holder with this host's name counts as another host's (spec §15.2)."""
+    if owner.host != socket.gethostname():
+        return ""
+    if owner.boot_id is not None and owner.boot_id != BOOT_ID:
+        return ("; it ran before this machine's last reboot, or on another machine of the same name, "
+                "so its pid cannot be checked here")
+    if owner.pid_namespace is not None and owner.pid_namespace != PID_NAMESPACE:
+        return "; it runs in another PID namespace (another container), so its pid cannot be checked here"
+    return ""
 
 
 def _live(owner: LockOwner) -> bool:
