@@ -160,6 +160,7 @@ class _Norms:
         self.names = replayer.schema.params
         self.groups = [group_of(n, depth) for n in self.names]
         self.prev: dict[int, torch.Tensor] = {}
+        self.scratch: torch.Tensor | None = None  # w - prev, reused (fresh memory costs page faults)
 
     def weights(self, replayer: Replayer) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []
@@ -178,6 +179,15 @@ class _Norms:
             else:
                 buf.copy_(w)
 
+    def _difference(self, w: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        n = w.numel()
+        if self.scratch is None or self.scratch.numel() < n or self.scratch.dtype != w.dtype or \
+                self.scratch.device != w.device:
+            self.scratch = torch.empty(max(n, self.scratch.numel() if self.scratch is not None else 0),
+                                       dtype=w.dtype, device=w.device)
+        out = self.scratch[:n].view(w.shape)
+        return torch.sub(w, prev, out=out)
+
     def measure(self, replayer: Replayer, with_update: bool) -> tuple[float, float | None, tuple[GroupStats, ...]]:
         """(weight norm, update norm, groups); squares summed in float64 per tensor."""
         acc: dict[str, list[float]] = {}  # group -> [numel, w^2, dw^2, v sum, v max, v numel]
@@ -190,7 +200,7 @@ class _Norms:
             a[1] += _sq(w)
             prev = self.prev.get(i)
             if with_update and prev is not None:
-                a[2] += _sq(torch.sub(w, prev))
+                a[2] += _sq(self._difference(w, prev))
             v = moments.get(i)
             if v is not None and v.numel():
                 a[3] += float(v.sum(dtype=torch.float64))
@@ -252,8 +262,12 @@ def _lrs(entry_hyper: JSON, param_groups: JSON, where: str) -> tuple[float, ...]
 
 
 def _scalars(extra: JSON, where: str) -> dict[str, float]:
-    decoded = check_extra(extra, where)
-    found = decoded.get("scalars")
+    """``extra.scalars`` (spec §19.1), decoded alone: the rest of the extra (RNG states) costs
+    milliseconds a step to decode."""
+    if not isinstance(extra, dict):
+        check_extra(extra, where)  # raises: an extra that is not an object
+        return {}
+    found = decode(extra.get("scalars"), f"{where}: extra.scalars")
     if not isinstance(found, dict):
         return {}
     return {k: float(v) for k, v in found.items()

@@ -1,0 +1,116 @@
+"""What ``ldtools stats`` costs against ``materialize`` of the chain's last step (issue 31).
+
+``ldformat.history.step_history`` replays the range once and measures every step on the way
+(update and weight norms per group, Adam's ``exp_avg_sq``); ``materialize`` of the last step
+replays the same deltas from the same anchor without measuring. The issue's bar is a ratio
+of at most 1.2 on the fixed 29.5M workload over 1,000 steps; this script measures the ratio
+on a small chain that a laptop CPU records in a minute.
+
+What it does: records ``--steps`` AdamW steps of an MLP of about ``--params`` parameters
+(``Checkpointer``, one anchor at step 0 so that materialize replays every delta; ``xor`` and
+``lowdiff+``, each its own chain), then times, ``--reps`` times each and alternating,
+``ChainReader(chain).materialize(last)`` and ``list(step_history(chain))`` (a fresh reader
+each time; the chain's files are in the page cache after the first run)::
+
+    python -m benchmarks.history_cost                          # 200 steps, ~1M parameters
+    python -m benchmarks.history_cost --out benchmarks/results/history_cost.md
+
+Results are printed as a markdown table and, with ``--out``, written to that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import ldformat
+from ldformat.history import step_history
+
+
+def mlp(params: int) -> nn.Module:
+    width = int((params / 4) ** 0.5)  # four width x width layers
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(width, width), nn.Tanh())])
+
+
+def record(chain: Path, mode: str, steps: int, params: int) -> int:
+    torch.manual_seed(0)
+    model = mlp(params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    width = model[0].in_features
+    with ldformat.Checkpointer(chain, model, opt, mode=mode, anchor_every=steps + 1, batch_steps=50) as ck:
+        for step in range(steps):
+            x = torch.randn(32, width)
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            ck.log(loss=loss)
+            opt.step()
+    return sum(p.numel() for p in model.parameters())
+
+
+def timed(fn: object) -> float:
+    start = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def measure(chain: Path, reps: int) -> tuple[float, float]:
+    def materialize() -> None:
+        ldformat.ChainReader(chain).materialize()
+
+    def stats() -> None:
+        for _ in step_history(str(chain)):
+            pass
+
+    materialize()  # page cache
+    m, s = [], []
+    for _ in range(reps):
+        m.append(timed(materialize))
+        s.append(timed(stats))
+    return statistics.median(m), statistics.median(s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--params", type=int, default=1_000_000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--modes", default="xor,lowdiff+")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            chain = Path(tmp) / mode
+            n = record(chain, mode, args.steps, args.params)
+            m, s = measure(chain, args.reps)
+            rows.append(f"| {mode} | {n:,} | {args.steps} | {m:.2f} | {s:.2f} | {s / m:.2f} |")
+            print(rows[-1], flush=True)
+    text = "\n".join([
+        "# `ldtools stats` against `materialize` of the last step (issue 31)",
+        "",
+        f"`python -m benchmarks.history_cost --steps {args.steps} --params {args.params} --reps {args.reps}`",
+        f"({platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+        f"Python {sys.version.split()[0]}). One anchor (step 0): both replay every delta; stats also "
+        "measures each step. Medians of the reps, page cache warm.",
+        "",
+        "| mode | parameters | steps | materialize last s | stats s | ratio |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ])
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
