@@ -121,7 +121,7 @@ def stats(chain: str, first: int | None, last: int | None, depth: int, show_grou
                       if g.v_mean is not None else "", ""] for g in s.groups]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
-        _echo("  ".join(c.ljust(w) if i in (0, len(r) - 2) else c.rjust(w)
+        _echo("  ".join(c.ljust(w) if i == 0 or i >= len(r) - 2 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
     _echo("(* anchor)")
     if advice is None:
