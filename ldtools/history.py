@@ -312,7 +312,7 @@ def _line_panel(d: PlotData, values: list[float | None], label: str, top: float,
     pts = [(s, v) for s, v in zip(d.steps, values, strict=True) if v is not None and math.isfinite(v)
            and (v > 0 or not log)]
     out = [f'<g class="panel"><rect class="frame" x="{_LEFT}" y="{top}" width="{_W - _LEFT - _RIGHT}" '
-           f'height="{height}"/><text class="label" x="8" y="{top + 14}">{html.escape(label)}</text>']
+           f'height="{height}"/><text class="label" x="{_LEFT}" y="{top - 5}">{html.escape(label)}</text>']
     out += _marks(d, top, height)
     if pts:
         ys = [math.log10(v) if log else v for _, v in pts]
@@ -343,7 +343,7 @@ def _color(t: float) -> str:
 def _heat_panel(d: PlotData, top: float) -> tuple[list[str], float]:
     row_h = 16
     height = max(1, len(d.groups)) * row_h
-    out = [f'<g class="panel"><text class="label" x="8" y="{top - 4}">relative update |dw|/|w| per group '
+    out = [f'<g class="panel"><text class="label" x="{_LEFT}" y="{top - 5}">relative update |dw|/|w| per group '
            '(log color scale)</text>']
     logs = [math.log10(v) for row in d.heat for v in row if v is not None and v > 0]
     lo, hi = (min(logs), max(logs)) if logs else (0.0, 1.0)
@@ -366,7 +366,7 @@ def _heat_panel(d: PlotData, top: float) -> tuple[list[str], float]:
 
 def _bytes_panel(d: PlotData, top: float, height: float) -> list[str]:
     out = [f'<g class="panel"><rect class="frame" x="{_LEFT}" y="{top}" width="{_W - _LEFT - _RIGHT}" '
-           f'height="{height}"/><text class="label" x="8" y="{top + 14}">bytes per step</text>']
+           f'height="{height}"/><text class="label" x="{_LEFT}" y="{top - 5}">bytes per step</text>']
     peak = max(d.bytes, default=0) or 1
     width = (_W - _LEFT - _RIGHT) / max(1, len(d.steps))
     for s, b, anchor in zip(d.steps, d.bytes, [s in d.anchors for s in d.steps], strict=True):
@@ -382,16 +382,16 @@ def history_svg(chain: str, history: list[StepStats]) -> str:
     """The plot as one SVG element."""
     d = PlotData(history)
     parts: list[str] = []
-    y = 30.0
+    y = 46.0  # each panel's label sits in the 20 px above it
     parts += _line_panel(d, d.loss, "loss", y, 140)
-    y += 160
+    y += 140 + 30
     parts += _line_panel(d, d.lr, "learning rate (log)", y, 80, log=True)
-    y += 110
+    y += 80 + 30
     heat, h = _heat_panel(d, y)
     parts += heat
-    y += h + 30
+    y += h + 40  # the colour range is written below the heat map
     parts += _bytes_panel(d, y, 80)
-    y += 100
+    y += 80 + 24
     for s in (d.steps[0], d.steps[-1]) if d.steps else ():
         parts.append(f'<text class="axis" x="{_sx(s, d):.1f}" y="{y - 6}">step {s}</text>')
     title = f"{chain}: steps {d.steps[0]}-{d.steps[-1]}" if d.steps else chain
@@ -401,7 +401,7 @@ def history_svg(chain: str, history: list[StepStats]) -> str:
 
 
 _STYLE = """body{font-family:sans-serif;margin:16px}svg text{font-size:11px;fill:#222}
-.title{font-size:13px;font-weight:bold}.tick{text-anchor:end;fill:#555}.axis{text-anchor:middle;fill:#555}
+.title{font-size:13px;font-weight:bold}.label{font-weight:bold}.tick{text-anchor:end;fill:#555}.axis{text-anchor:middle;fill:#555}
 .frame{fill:#fafafa;stroke:#ccc}.series{fill:none;stroke:#1f77b4;stroke-width:1.5}
 .anchor{stroke:#1f77b4;stroke-opacity:.3}.flag{stroke:#d62728;stroke-dasharray:4 3}.bar{fill:#888}
 .anchorbar{fill:#1f77b4}table{border-collapse:collapse;font-size:12px}td,th{padding:2px 8px;text-align:right}"""
