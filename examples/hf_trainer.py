@@ -1,12 +1,17 @@
 """Checkpoint every step of a Hugging Face Trainer run with ldformat, and resume after a crash.
 
     pip install 'ldformat[hf]'
-    python examples/hf_trainer.py        # trains a tiny GPT-2 for 200 steps (seconds on a CPU)
+    python examples/hf_trainer.py        # trains a tiny GPT-2 for 200 steps: about 2 minutes on 2 CPU cores
 
 Interrupt it at any point (Ctrl-C, ``kill -9``, a power cut) and run the same command again:
 it continues from the chain's latest committed step, and the final weights are bit for bit
 those of an uninterrupted run. The chain is ``runs/hf-chain``; ``ldtools info runs/hf-chain``
 shows it. Delete that folder to start over.
+
+On resuming, Transformers logs ``There were missing keys in the checkpoint model loaded:
+['lm_head.weight']``. GPT-2's output head is tied to its token embedding, and
+``save_pretrained`` stores a tied weight once (the Trainer's own checkpoints do the same);
+loading ties the head to the embedding again. Nothing is missing from the resumed model.
 
 The model is built from a config (random weights, no download) and trained on generated
 token ids, so the example runs anywhere.

@@ -1,9 +1,13 @@
 """Lightning: checkpoint every optimizer step with ldformat, and continue after a crash.
 
-    python examples/lightning.py                  # trains 200 steps, every one into runs/lightning/chain
-    python examples/lightning.py --kill-at 80     # dies like a crash (SIGKILL) after step 80 ...
-    python examples/lightning.py                  # ... and the same command continues from the chain
-    python examples/lightning.py --verify         # also trains uninterrupted and compares the bits
+    python examples/lightning.py --fresh --kill-at 80   # a new chain; dies like a crash (SIGKILL) after step 80
+    python examples/lightning.py                        # the same command continues from the chain to step 200
+    python examples/lightning.py --fresh --kill-at 80; python examples/lightning.py --verify
+        # the same, then also trains an uninterrupted run and compares the weights bit for bit
+
+--fresh deletes the chain (runs/lightning/chain) first. Without it the script continues the
+chain that is there: once that chain has reached --steps, there is nothing left to train and
+--kill-at never fires.
 
 The model is a small causal transformer with dropout, trained on synthetic token sequences;
 the data come from torchdata's ``StatefulDataLoader``, whose position Lightning records, so

@@ -339,3 +339,27 @@ def test_info_names_everything_on_disk(chain: Path) -> None:
     assert "log and segments" in line, line
     data = json.loads(ok("info", chain, "--json"))
     assert data["anchor_bytes"] + data["delta_bytes"] + data["log_bytes"] == data["bytes_on_disk"]
+
+
+# -- 2.12 the examples say what they cost and how to see a crash ------------------------------
+def example_doc(name: str) -> str:
+    import ast
+
+    doc = ast.get_docstring(ast.parse((REPO / "examples" / name).read_text(encoding="utf-8")))
+    assert doc is not None, name
+    return doc
+
+
+def test_hf_example_states_its_cost_and_explains_the_tied_head_message() -> None:
+    doc = example_doc("hf_trainer.py")
+    assert "seconds on a CPU" not in doc and "minutes" in doc
+    assert "missing keys" in doc and "lm_head.weight" in doc and "tied" in doc
+    assert "lm_head.weight" in flat((REPO / "docs" / "trainers.md").read_text(encoding="utf-8"))
+
+
+def test_lightning_example_demonstrates_the_kill_in_order() -> None:
+    doc = example_doc("lightning.py")
+    commands = [line.split("#")[0].strip() for line in doc.splitlines() if line.strip().startswith("python ")]
+    assert "--fresh" in commands[0] and "--kill-at" in commands[0], commands  # a new chain, then the crash
+    assert commands[1] == "python examples/lightning.py", commands  # the same command continues
+    assert "--fresh deletes the chain" in flat(doc)
