@@ -288,6 +288,8 @@ def test_break_lock_needs_consent(chain: Path, held: ChainWriter) -> None:
     assert "--break-lock" in line and "--yes" in line and "nothing was changed" in line
     line = fails(2, "compact", chain, "--max-replay", 2, "--break-lock")
     assert "--break-lock" in line and "--yes" in line
+    line = fails(2, "sync", chain, chain, "--break-lock")
+    assert "--break-lock" in line and "--yes" in line
     assert {k: v for k, v in listing(chain).items() if not k.startswith("lock/")} == before
     assert "removed 7 steps" in ok("truncate", chain, "--after", 5, "--yes", "--break-lock")
     assert ChainReader(chain).latest_step == 5
