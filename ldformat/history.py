@@ -247,8 +247,12 @@ def _second_moments(replayer: Replayer) -> dict[int, torch.Tensor]:
     return out
 
 
-def _lrs(entry_hyper: JSON, param_groups: JSON, where: str) -> tuple[float, ...]:
-    """The learning rate of each param group the step used (``hyper``), else as recorded after it."""
+def _lrs(entry_hyper: JSON, param_groups: JSON, scalars: dict[str, float], where: str) -> tuple[float, ...]:
+    """The learning rate of each param group the step used: from its ``hyper`` (gradient
+    kinds), else from the ``lr``, ``lr/<g>`` scalars the runtime records, else as recorded
+    after the step (``param_groups``: after a scheduler's step, the next step's)."""
+    if entry_hyper is None and "lr" in scalars:
+        return tuple(scalars[k] for k in ["lr", *(f"lr/{g}" for g in range(1, 64))] if k in scalars)
     groups = decode(entry_hyper if entry_hyper is not None else param_groups, f"{where}: param groups")
     out: list[float] = []
     if isinstance(groups, list):
@@ -417,12 +421,12 @@ def _record(reader: ChainReader, replayer: Replayer, norms: _Norms, step: int, s
     if entry is not None:
         delta = reader.state.deltas[step][0]
         nbytes += sum(o.size for o in delta.objects) // max(1, delta.rows)  # the step's share of its batch
-        lrs = _lrs(entry.hyper, entry.param_groups, where)
         scalars = _scalars(entry.extra, where)
+        lrs = _lrs(entry.hyper, entry.param_groups, scalars, where)
     else:
         a = reader.state.anchors[step]
-        lrs = _lrs(None, a.param_groups, where)
         scalars = _scalars(a.extra, where)
+        lrs = _lrs(None, a.param_groups, scalars, where)
     if anchor:
         nbytes += reader.state.anchors[step].object.size
     return StepStats(step=step, anchor=anchor, since=since, scalars=scalars, lrs=lrs, weight_norm=weight,

@@ -100,7 +100,7 @@ def stats(chain: str, first: int | None, last: int | None, depth: int, show_grou
     if as_json:
         _echo(json.dumps({"chain": chain, "steps": [s.to_dict() for s in history], "rollback": advice}, indent=1))
         return
-    names = sorted({k for s in history for k in s.scalars if k not in ("loss", "lr")})
+    names = sorted({k for s in history for k in s.scalars if k not in ("loss", "lr") and not k.startswith("lr/")})
     header = ["STEP", "LOSS", "LR", "REL_UPD", "|DW|", "|W|", "BYTES", *[n.upper() for n in names], "MOVED_MOST", ""]
     rows = [header]
     for s in history:

@@ -76,7 +76,8 @@ def test_logged_scalars_are_in_each_steps_extra(recorded: dict[str, Any]) -> Non
     reader = ldformat.ChainReader(recorded["chain"])
     for step in (1, 10, STEPS):
         scalars = reader.extra(step)["scalars"]
-        assert scalars == {"loss": recorded["losses"][step], "grad_norm": 7.5}, step
+        lr = 0.1 if step in SPIKE else 1e-3  # the lr the step used, recorded by the runtime
+        assert scalars == {"loss": recorded["losses"][step], "grad_norm": 7.5, "lr": lr}, step
     assert "scalars" not in reader.extra(0)
 
 
@@ -99,6 +100,22 @@ def test_nonfinite_scalars_are_recorded_and_bad_ones_refused(tmp_path: Path) -> 
     history = list(step_history(str(tmp_path / "c")))
     assert history[1].flags == ("nonfinite_loss",)
     assert history[1].to_dict()["scalars"] == {"loss": "nan", "grad_norm": "inf", "lr": "-inf"}
+
+
+def test_lrs_are_those_the_step_used_with_a_scheduler(tmp_path: Path) -> None:
+    model, opt = _model()
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    used = [math.nan]
+    with ldformat.Checkpointer(tmp_path / "c", model, opt, scheduler=scheduler) as ck:
+        for _ in range(6):
+            model(torch.randn(4, 6)).sum().backward()
+            used.append(opt.param_groups[0]["lr"])
+            opt.step()
+            scheduler.step()
+    history = list(step_history(str(tmp_path / "c")))
+    assert [s.lrs for s in history[1:]] == [(lr,) for lr in used[1:]] == [(1e-3,), (1e-3,), (5e-4,), (5e-4,),
+                                                                           (2.5e-4,), (2.5e-4,)]
+    ck.log(loss=1.0)  # after close: kept for a step that never comes, harmlessly
 
 
 # -- stats: exact numbers -----------------------------------------------------------------------
@@ -314,17 +331,15 @@ def test_errors_name_the_problem_with_usage_exit_codes(tmp_path: Path, recorded:
 
 
 # -- integrations -------------------------------------------------------------------------------
-def test_integrations_record_loss_and_lr() -> None:
+def test_integrations_record_the_loss() -> None:
     from ldformat.integrations.transformers import _step_scalars
 
     entries = [{"loss": 0.5, "grad_norm": 2.0, "learning_rate": 9.0, "epoch": 0.1}]
-    assert _step_scalars(entries, 1e-3) == {"lr": 1e-3, "loss": 0.5, "grad_norm": 2.0}
-    assert _step_scalars([], None) == {}
+    assert _step_scalars(entries) == {"loss": 0.5, "grad_norm": 2.0}
+    assert _step_scalars([]) == {}
     from ldformat.integrations import lightning
 
-    class Trainer:
-        optimizers = [torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.25)]
-
-    got = lightning._step_scalars({"loss": torch.tensor(1.5)}, Trainer())  # type: ignore[arg-type]
-    assert float(got["loss"]) == 1.5 and got["lr"] == 0.25  # type: ignore[arg-type]
-    assert lightning._step_scalars(None, Trainer()) == {"lr": 0.25}  # type: ignore[arg-type]
+    got = lightning._step_scalars({"loss": torch.tensor(1.5, requires_grad=True)})
+    assert float(got["loss"]) == 1.5  # type: ignore[arg-type]
+    assert float(lightning._step_scalars(torch.tensor(2.5))["loss"]) == 2.5  # type: ignore[arg-type]
+    assert lightning._step_scalars(None) == {}

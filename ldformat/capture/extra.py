@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import UsageError
+from ..errors import LdformatError, UsageError
+from ..jsonvalue import JSON, decode
 from .rng import capture_optimizer_rng
 
 #: At most this many scalars per step (spec §19.1 ``scalars``): the extra of every step entry
@@ -54,6 +55,30 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any], /) -> None: ...
+
+
+#: Param groups whose learning rate the runtime records with each step (``lr``, ``lr/1``, ...).
+MAX_LR_GROUPS = 8
+
+
+def step_lrs(hyper: JSON, room: int = MAX_SCALARS) -> dict[str, float]:
+    """The learning rates a step used, from the hyperparameters captured just before its
+    ``optimizer.step()``: ``lr`` for param group 0, ``lr/<g>`` for the next ones (at most
+    :data:`MAX_LR_GROUPS`, and ``room`` in all). Recorded as scalars because the step entry's
+    ``param_groups`` are those after the step (after a scheduler's ``step()``: the next
+    step's), and ``state.xor`` entries keep ``hyper`` only where Adam prediction needs it."""
+    try:
+        groups = decode(hyper, "hyperparameters")
+    except LdformatError:
+        return {}
+    out: dict[str, float] = {}
+    for g, group in enumerate(groups[:min(MAX_LR_GROUPS, room)] if isinstance(groups, list) else []):
+        lr = group.get("lr") if isinstance(group, dict) else None
+        if isinstance(lr, torch.Tensor) and lr.numel() == 1:
+            lr = float(lr)
+        if isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            out["lr" if g == 0 else f"lr/{g}"] = float(lr)
+    return out
 
 
 def loop_extra(

@@ -64,7 +64,7 @@ from .ddp import (
     peer_residual_tensors,
     world_size,
 )
-from .extra import Stateful, check_scalars, loop_extra
+from .extra import MAX_SCALARS, Stateful, check_scalars, loop_extra, step_lrs
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
 from .policy import AdaptiveTuner, PolicyInputs
@@ -734,6 +734,8 @@ class Checkpointer:
         )
         self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
         scalars, self._scalars = self._scalars, {}
+        if pending.stepped and pending.hyper is not None:  # the lr the step used; a logged lr wins
+            scalars = {**step_lrs(pending.hyper, MAX_SCALARS - len(scalars)), **scalars}
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
                                     pending.buffers,
                                     pending.ranks))
@@ -770,7 +772,8 @@ class Checkpointer:
         later value replacing an earlier one. At most 64 names per step, of 1-64 letters,
         digits or ``_ . / : -``; a value is anything ``float()`` takes (a one-element tensor
         on a GPU synchronizes). NaN and infinities are recorded as they are (tagged floats,
-        spec §6.1): after a spike they are the values that matter.
+        spec §6.1): after a spike they are the values that matter. The learning rates the
+        step used are recorded without a call, as ``lr`` (param group 0) and ``lr/<g>``.
 
         Raises:
             UsageError: a bad name, a value that is not a number, or more than 64 scalars.

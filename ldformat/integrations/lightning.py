@@ -368,8 +368,8 @@ class LdformatCheckpoint(Callback):
         self._global_step = trainer.global_step
         self._pending = _progress_state(trainer)
         self._pending_rng = _rng()
-        # The step closes at the next batch's start: the loss and the lr it used go with it.
-        self.checkpointer.log(**_step_scalars(outputs, trainer))
+        # The step closes at the next batch's start: its loss goes with it.
+        self.checkpointer.log(**_step_scalars(outputs))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._close(trainer)
@@ -434,19 +434,15 @@ class LdformatCheckpoint(Callback):
             self._temporary = None
 
 
-def _step_scalars(outputs: object, trainer: pl.Trainer) -> dict[str, object]:
+def _step_scalars(outputs: object) -> dict[str, object]:
     """The flight recorder's scalars of a step (spec §19.1 ``scalars``): the loss
-    ``training_step`` returned (a tensor, or a dict's ``"loss"``) and the first optimizer's
-    learning rate (Lightning steps per-step schedulers after this hook)."""
+    ``training_step`` returned (a tensor, or a dict's ``"loss"``). The Checkpointer records the
+    learning rate the step used itself: Lightning steps per-step schedulers before
+    ``on_train_batch_end``, so the lr read here would be the next step's."""
     loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    out: dict[str, object] = {}
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
-        out["loss"] = loss.detach()
-    groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
-    lr = groups[0].get("lr") if groups else None
-    if isinstance(lr, (int, float, torch.Tensor)) and not isinstance(lr, bool):
-        out["lr"] = lr
-    return out
+        return {"loss": loss.detach()}
+    return {}
 
 
 def _progress_state(trainer: pl.Trainer) -> dict[str, object]:

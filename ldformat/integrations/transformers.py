@@ -262,7 +262,6 @@ class LdformatCallback(TrainerCallback):
         self._step_rng: RngState | None = None
         self._control: _ControlArgs | None = None
         self._logged = 0
-        self._step_lr: float | None = None
 
     # -- resuming ---------------------------------------------------------------------------
     def resume_checkpoint(self) -> str | None:
@@ -376,7 +375,6 @@ class LdformatCallback(TrainerCallback):
         if ck is None:
             return
         self._step_rng = cast(RngState, capture_rng())
-        self._step_lr = _first_lr(ck.optimizer)  # after the optimizer's step, before the scheduler's
         # What a close() or an exit records with the step if it ends before the callback
         # closes it: the Trainer's step number is already right, the rest is as before the step.
         provisional = self._trainer_extra(state, rng=None, advance=False)
@@ -432,7 +430,7 @@ class LdformatCallback(TrainerCallback):
         entry = self._trainer_extra(
             state, rng=None if self._step_rng is not None and _same_rng(rng, self._step_rng) else rng)
         ck.user_extra[EXTRA_KEY] = entry
-        ck.log(**_step_scalars(entry["log"], self._step_lr))
+        ck.log(**_step_scalars(entry["log"]))
         self._step_end.step()
 
     def _trainer_extra(self, state: TrainerState, rng: RngState | None, *, advance: bool = True) -> _Recorded:
@@ -619,17 +617,12 @@ def _trainer_rng(rng: object, *, distributed: bool, device: int) -> dict[str, ob
     return out
 
 
-def _first_lr(optimizer: torch.optim.Optimizer) -> float | None:
-    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
-    return float(lr) if isinstance(lr, (int, float, torch.Tensor)) and not isinstance(lr, bool) else None
-
-
-def _step_scalars(entries: object, lr: float | None) -> dict[str, float]:
-    """The flight recorder's scalars of a step (spec §19.1 ``scalars``): the learning rate the
-    step used, and the ``loss`` and ``grad_norm`` of the Trainer's log entries of the step. The
-    Trainer logs every ``logging_steps`` steps (a mean over them): ``logging_steps=1`` records
-    every step's own loss."""
-    out: dict[str, float] = {} if lr is None else {"lr": lr}
+def _step_scalars(entries: object) -> dict[str, float]:
+    """The flight recorder's scalars of a step (spec §19.1 ``scalars``): the ``loss`` and
+    ``grad_norm`` of the Trainer's log entries of the step (the Checkpointer records the
+    learning rate the step used itself). The Trainer logs every ``logging_steps`` steps (a
+    mean over them): ``logging_steps=1`` records every step's own loss."""
+    out: dict[str, float] = {}
     for entry in entries if isinstance(entries, list) else []:
         if isinstance(entry, dict):
             out.update({k: float(v) for k, v in entry.items() if k in ("loss", "grad_norm")
