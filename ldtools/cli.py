@@ -1161,12 +1161,19 @@ def _export_dcp(reader: ChainReader | ShardedReader, step: int | None, out: Path
     try:
         written = export_dcp(reader, step, fresh, progress=bar)
         old = out.parent / f"{fresh.parent.name}-old"
-        os.replace(out, old)
-        os.replace(fresh, out)
+        try:
+            os.replace(out, old)
+            try:
+                os.replace(fresh, out)
+            except OSError:
+                os.replace(old, out)  # put the old one back
+                raise
+        except OSError as e:
+            raise _output_failure(out, f"step {written}", e, True) from e
         if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
         else:
-            old.unlink()
+            old.unlink(missing_ok=True)
     finally:
         shutil.rmtree(fresh.parent, ignore_errors=True)
     return written
