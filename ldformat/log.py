@@ -469,6 +469,20 @@ class WriterLock:
                 continue  # another process took this generation: look at who holds it now
             except OSError as e:
                 raise io_error(f"{where}/{lock_path(generation)}: cannot take the writer lock", e) from None
+            # A name this process listed as free may have been taken and freed again meanwhile
+            # (a renewal or a garbage collection deletes generations): only a generation that is
+            # the newest after its create holds the lock (spec §15.1).
+            try:
+                newest = numbered(store, LOCK_DIR, _LOCK_NAME)
+            except OSError as e:
+                raise io_error(f"{where}/{LOCK_DIR}: cannot list the writer lock", e) from None
+            if newest and newest[-1] > generation:
+                attempts += 1
+                if attempts > 8:
+                    raise ChainLockedError(
+                        f"{where}: could not take the writer lock (other processes keep taking it); retry"
+                    ) from None
+                continue
             lock = cls(store, where, owner, current, took_over)
             if renew:
                 lock.start_renewal()
