@@ -339,8 +339,9 @@ def _fields(s: StepStats) -> dict[str, Any]:
 
 
 def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepStats]:
-    """Runs of deltas that continue the previous step are streamed through one prefetcher;
-    a break (a step whose base is not the step before it) restarts from its anchor."""
+    """Runs of deltas that continue the previous step are streamed through one prefetcher; an
+    anchor step is loaded from its anchor, and a step whose base is not the step before it
+    (compacted steps) is replayed from its anchor."""
     state = reader.state
     earlier = [s for s in reader.steps if s < wanted[0]]
     replayer: Replayer | None = None
@@ -356,7 +357,10 @@ def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepSt
         run: list[int] = []
         while i < len(wanted):
             d = state.deltas.get(wanted[i])
-            if replayer is None or d is None or d[1].base != (run[-1] if run else cur):
+            # An anchor step is read from its anchor, as materialize reads it: a lowdiff+ anchor
+            # recorded on a GPU is the live state, which CPU replay of its delta matches only
+            # to the last bits, and the next steps' deltas are based on the anchor.
+            if replayer is None or d is None or d[1].base != (run[-1] if run else cur) or wanted[i] in state.anchors:
                 break
             run.append(wanted[i])
             i += 1
