@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--modes", default="xor,lowdiff+")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    load = os.getloadavg()[0]  # other processes share the cores: say how busy they were
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
@@ -104,7 +105,7 @@ def main() -> None:
         f"`python -m benchmarks.history_cost --steps {args.steps} --params {args.params} --reps {args.reps}`",
         f"({platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"Python {sys.version.split()[0]}). One anchor (step 0): both replay every delta; stats also "
-        f"measures each step. Page cache warm; load average before the run {os.getloadavg()[0]:.1f} "
+        f"measures each step. Page cache warm; load average before the run {load:.1f} "
         f"on {os.cpu_count()} cores. Times: fastest / median of {args.reps} reps; the ratio is of the fastest.",
         "",
         "| mode | parameters | steps | materialize last s | stats s | ratio |",

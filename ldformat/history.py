@@ -13,6 +13,7 @@ Every number comes from the replayed state, which is the recorded state bit for 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 from collections import deque
@@ -26,7 +27,7 @@ from .checks import check_extra
 from .errors import UsageError
 from .jsonvalue import JSON, decode
 from .manifest import StepEntry
-from .reader import ChainReader, _Prefetcher, _unexpected_as_corrupt
+from .reader import ChainReader, _decode_pool, _Prefetcher, _unexpected_as_corrupt
 from .replay import Replayer
 
 #: The trailing window of the spike detector, in present steps.
@@ -217,6 +218,23 @@ class _Norms:
         return math.sqrt(w2), math.sqrt(u2) if with_update else None, groups
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """Measure on one torch thread: the reductions are then the same whatever the thread
+    count (so equal to the same formula on live states), and on a busy machine torch's
+    intra-op threads, meeting the prefetcher's decoding threads, made them up to 100x
+    slower (benchmarks/results/history_cost.md)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _sq(t: torch.Tensor) -> float:
     """The sum of squares of ``t``, accumulated in float64."""
     return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
@@ -311,6 +329,7 @@ def step_history(chain: str | ChainReader, *, first: int | None = None, last: in
         raise UsageError(f"{reader.path}: no committed step in {lo}..{hi} (committed: {steps[0] if steps else '-'}"
                          f"..{steps[-1] if steps else '-'}); pick a range inside the chain")
     detectors = {"loss": SpikeDetector(), "relative_update": SpikeDetector()}
+    _decode_pool()  # sized by torch's thread count: before _one_thread ever sets it to 1
     for stats in _walk(reader, wanted, depth):
         yield _flag(stats, detectors)
 
@@ -351,7 +370,8 @@ def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepSt
         cur = earlier[-1]
         replayer = _replay_to(reader, cur)
         norms = _Norms(replayer, depth)
-        norms.remember(replayer)
+        with _one_thread():
+            norms.remember(replayer)
     i = 0
     while i < len(wanted):
         run: list[int] = []
@@ -374,8 +394,10 @@ def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepSt
         replayer = reader.start_replay(s) if s in state.anchors else _replay_to(reader, s)
         if norms is None:
             norms = _Norms(replayer, depth)
-        yield _record(reader, replayer, norms, s, cur, _entry_of(reader, s), anchor=s in state.anchors)
-        norms.remember(replayer)
+        with _one_thread():
+            record = _record(reader, replayer, norms, s, cur, _entry_of(reader, s), anchor=s in state.anchors)
+            norms.remember(replayer)
+        yield record
         cur = s
         i += 1
 
@@ -409,8 +431,10 @@ def _stream(reader: ChainReader, replayer: Replayer, norms: _Norms, run: list[in
                         replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
                     else:
                         replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
-                yield _record(reader, replayer, norms, s, prev, step_entry, anchor=s in reader.state.anchors)
-                norms.remember(replayer)
+                with _one_thread():
+                    record = _record(reader, replayer, norms, s, prev, step_entry, anchor=s in reader.state.anchors)
+                    norms.remember(replayer)
+                yield record
                 prev = s
             del batch
     finally:
