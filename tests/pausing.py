@@ -421,7 +421,7 @@ def open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if lease_s is None:
         return ChainWriter.open(path, model, optimizer, store=store, **kw)
     if "lease_s" in inspect.signature(ChainWriter.open).parameters:
-        return ChainWriter.open(path, model, optimizer, store=store, lease_s=lease_s, **kw)
+        return ChainWriter.open(path, model, optimizer, store=store, **{**kw, "lease_s": lease_s})
     from ldformat.log import WriterLock
 
     lock = WriterLock.acquire(store, path, break_lock=kw.pop("break_lock", False),

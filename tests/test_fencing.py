@@ -318,56 +318,78 @@ def _chain_with_steps(path: Path, steps: int) -> Ledger:
     return ledger
 
 
-@pytest.mark.parametrize("pid", ["1", "dead-here", pytest.param("this-process", marks=SLOW)])
-def test_a_live_writer_in_another_pid_namespace_keeps_its_lock(pid: str, tmp_path: Path,
-                                                               child_processes: list[Child]) -> None:
-    """A writer in another PID namespace on the same host name (a container) records a pid that
-    means nothing here: pid 1, a pid dead here, or this very process's pid. A writer here must
-    not take its lock without ``break_lock`` (ChainLockedError), whatever that pid is here."""
-    if not _unshare_works():
-        pytest.skip("needs root and `unshare --pid --fork --mount-proc`")
-    path = tmp_path / "chain"
-    path.mkdir()
-    _chain_with_steps(path, 2)
+def _namespaced_writer(path: Path, case: str) -> tuple[int, list[str]]:
+    """The pid the writer gets in its namespace, and the command that starts it there."""
     python = [sys.executable, str(PAUSING), "writer", str(path), "0"]
     unshare = ["unshare", "--pid", "--fork", "--mount-proc"]
-    if pid == "1":
-        want = 1
-        command = [*unshare, *python]
-    else:
-        want = os.getpid() if pid == "this-process" else _free_host_pid(32768)
-        # The shell is pid 1 of the namespace; it makes the python it starts get pid `want`.
-        script = f'echo {want - 1} > /proc/sys/kernel/ns_last_pid && "$@"; exit $?'
-        command = [*unshare, "sh", "-c", script, "sh", *python]
-    child = Child(command)
-    child_processes.append(child)
-    ready = child.next()
-    if "ready" not in ready:
-        pytest.fail(f"the writer in the namespace did not start: {ready} {child.stop()[-2000:]}")
-    if ready["pid"] != want:
-        child.stop()
-        pytest.skip(f"could not give the namespaced writer pid {want} (it got {ready['pid']})")
-    held = newest_lock(LocalStore(path))  # spec §15.1: the newest generation is the lock's state
-    assert held is not None and held.get("state") == "held" and held.get("pid") == want
-    assert held.get("host") == socket.gethostname()
-    outside = Session("OUT", Ledger(), LocalStore(path), str(path))
-    try:
-        with pytest.raises(ChainLockedError):
+    if case == "1":
+        return 1, [*unshare, *python]
+    want = os.getpid() if case == "this-process" else _free_host_pid(32768)
+    # The shell is pid 1 of the namespace; it makes the python it starts get pid `want`.
+    script = f'echo {want - 1} > /proc/sys/kernel/ns_last_pid && "$@"; exit $?'
+    return want, [*unshare, "sh", "-c", script, "sh", *python]
+
+
+def test_a_live_writer_in_another_pid_namespace_keeps_its_lock(tmp_path: Path,
+                                                               child_processes: list[Child]) -> None:
+    """A writer in another PID namespace on the same host name (a container) records a pid that
+    means nothing here: pid 1 (alive here: another process), a pid dead here, or this very
+    process's pid. A writer here must not take its lock without ``break_lock``
+    (ChainLockedError), whatever that pid is here. The three cases run at once, each writer in
+    its own namespace on its own chain."""
+    if not _unshare_works():
+        pytest.skip("needs root and `unshare --pid --fork --mount-proc`")
+    cases: dict[str, tuple[Path, int, Child]] = {}
+    for case in ("1", "dead-here", "this-process"):
+        path = tmp_path / case
+        path.mkdir()
+        _chain_with_steps(path, 2)
+        want, command = _namespaced_writer(path, case)
+        child = Child(command)
+        child_processes.append(child)
+        cases[case] = (path, want, child)
+    failures: list[str] = []
+    ran: list[str] = []
+    for case, (path, want, child) in cases.items():
+        ready = child.next()
+        if "ready" not in ready:
+            failures.append(f"{case}: the namespaced writer did not start: {ready}")
+            continue
+        if ready["pid"] != want:
+            continue  # this kernel would not give it that pid: nothing to test in this case
+        held = newest_lock(LocalStore(path))  # spec §15.1: the newest generation is the lock's state
+        assert held is not None and held.get("state") == "held" and held.get("pid") == want, held
+        assert held.get("host") == socket.gethostname(), held
+        ran.append(case)
+        outside = Session("OUT", Ledger(), LocalStore(path), str(path))
+        try:
             outside.open()  # no break_lock, no lease wait
-    finally:
-        outside.abort()
-    child.say()
-    done = child.next()
-    assert "done" in done, f"the namespaced writer lost its lock: {done}"
-    assert child.proc.wait(timeout=CHILD_LIMIT_S) == 0
-    # Once it closed, the lock is free, and its steps are in the chain as it trained them.
-    after = Session("AFTER", Ledger(), LocalStore(path), str(path))
-    after.open()
-    after.close()
-    reader = ChainReader(str(path), store=LocalStore(path))
-    for step, want_digest in done["states"].items():
-        got = reader.materialize(int(step))
-        assert digest(state_bits(got["model"], got["optimizer"])) == want_digest, f"step {step}"
+            failures.append(f"pid {want} ({case}): a writer here took the lock of a live writer in another "
+                            "PID namespace without break_lock")
+        except ChainLockedError:
+            pass
+        finally:
+            outside.abort()
+    for _, _, child in cases.values():
+        child.say()
+    for case in ran:
+        path, want, child = cases[case]
+        done = child.next()
+        if "done" not in done:
+            failures.append(f"pid {want} ({case}): the namespaced writer lost its lock: {done}")
+            continue
+        assert child.proc.wait(timeout=CHILD_LIMIT_S) == 0
+        # Once it closed, the lock is free, and its steps are in the chain as it trained them.
+        after = Session("AFTER", Ledger(), LocalStore(path), str(path))
+        after.open()
+        after.close()
+        reader = ChainReader(str(path), store=LocalStore(path))
+        for step, want_digest in done["states"].items():
+            got = reader.materialize(int(step))
+            assert digest(state_bits(got["model"], got["optimizer"])) == want_digest, f"{case}: step {step}"
+    if not ran:
+        pytest.skip("could not give a namespaced writer a colliding pid")
+    assert not failures, "\n".join(failures)
 
 
 # -- leases ----------------------------------------------------------------------------------------

@@ -9,12 +9,13 @@ point the others take over and commit, renew their lease, compact or snapshot; t
 check of tests/pausing.py runs (0 lost, 0 false durable, A stopped with LockLostError and
 deleted nothing newer, validate, sync).
 
-The default sweep is bounded (a few minutes on two cores). On memory: every point of the
-writer's phases against each of the four interleavings (when it takes over a stale lock,
-against two in turn); every point of compaction and truncation against one in turn; every
-named point against all six. On local directories the named points against two
-interleavings in turn, on s3 against one. ``LDFORMAT_FENCING_SWEEP=full`` runs every point
-against every interleaving on every store.
+The default sweep is bounded (a few minutes on two idle cores). On memory: every point of a
+commit, a renewing commit and ``close`` against each of the four interleavings; every point of
+``open`` and of a writer snapshot against two of them in turn, and of a takeover, compaction
+and truncation against one in turn; every named point against all six. On local
+directories, the named points against two interleavings in turn; on s3 (seconds a trial),
+those of open, commit, snapshot, compaction and truncation against one.
+``LDFORMAT_FENCING_SWEEP=full`` runs every point against every interleaving on every store.
 """
 
 from __future__ import annotations
@@ -73,11 +74,13 @@ def schedule(kind: str, phase: str, points: list[PausePoint]) -> list[tuple[Paus
     if FULL:
         pairs = [(p, il) for p in points + named for il in INTERLEAVINGS]
     elif kind == "memory":
-        per_point = {"open-takeover": 2, "compact": 1, "truncate": 1}.get(phase, 4)
+        per_point = {"open": 2, "open-takeover": 1, "snapshot": 2, "compact": 1, "truncate": 1}.get(phase, 4)
         pairs = in_turn(points, per_point) if phase != "compact-keep" else []  # its points are compact's
         pairs += [(p, il) for p in named for il in INTERLEAVINGS]
-    else:
-        pairs = in_turn(named, 2 if kind == "local" else 1)
+    elif kind == "local":
+        pairs = in_turn(named, 2)
+    else:  # s3: a trial costs seconds
+        pairs = in_turn(named, 1) if phase in ("open", "commit", "snapshot", "compact", "truncate") else []
     seen: set[tuple[str, str]] = set()
     out = []
     for p, il in pairs:
