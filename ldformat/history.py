@@ -190,7 +190,7 @@ class _Norms:
         return torch.sub(w, prev, out=out)
 
     def measure(self, replayer: Replayer, with_update: bool) -> tuple[float, float | None, tuple[GroupStats, ...]]:
-        """(weight norm, update norm, groups); squares summed in float64 per tensor."""
+        """(weight norm, update norm, groups); per tensor in its dtype, across tensors in float64."""
         acc: dict[str, list[float]] = {}  # group -> [numel, w^2, dw^2, v sum, v max, v numel]
         moments = _second_moments(replayer)
         for i, w in enumerate(self.weights(replayer)):
@@ -204,7 +204,7 @@ class _Norms:
                 a[2] += _sq(self._difference(w, prev))
             v = moments.get(i)
             if v is not None and v.numel():
-                a[3] += float(v.sum(dtype=torch.float64))
+                a[3] += float(v.sum())
                 a[4] = max(a[4], float(v.max()))
                 a[5] += v.numel()
         groups = tuple(GroupStats(
@@ -236,8 +236,10 @@ def _one_thread() -> Iterator[None]:
 
 
 def _sq(t: torch.Tensor) -> float:
-    """The sum of squares of ``t``, accumulated in float64."""
-    return float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2
+    """The sum of squares of ``t``: torch's cascaded sum in the tensor's dtype (relative error
+    about 1e-6 for float32), a pass over memory at SIMD speed; a float64 accumulation costs 4x
+    and the measuring would weigh more than the replay it follows."""
+    return float(torch.linalg.vector_norm(t)) ** 2
 
 
 def _ratio(a: float, b: float) -> float:
