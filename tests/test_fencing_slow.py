@@ -110,7 +110,10 @@ def test_a_writer_paused_at_any_call_is_fenced(kind: str, phase: str, tmp_path: 
         reference = run_trial(fresh(), phase, "commit", None)
         assert not reference.violations, reference.explain()
         points = points_of(reference.trace)
-    results: list[TrialResult] = [run_trial(fresh(), phase, il, p) for p, il in schedule(kind, phase, points)]
+    trials = schedule(kind, phase, points)
+    if not trials:
+        pytest.skip(f"{kind} {phase}: not in the bounded sweep (LDFORMAT_FENCING_SWEEP=full runs it)")
+    results: list[TrialResult] = [run_trial(fresh(), phase, il, p) for p, il in trials]
     unreached = [r for r in results if not r.reached]
     named = {str(p) for p in NAMED_POINTS[phase].values()}
     assert not [r for r in unreached if r.point in named], summarize([r for r in unreached if r.point in named])
