@@ -27,7 +27,7 @@ from .delta import (
     encode_batch,
     tensor_bits,
 )
-from .errors import ChainError, StepNotFoundError, UsageError, WriterIOError
+from .errors import ChainError, CorruptChainError, StepNotFoundError, UsageError, WriterIOError
 from .fold import ChainState
 from .jsonvalue import dtype_name, object_checksum_parts
 from .log import (
@@ -181,6 +181,9 @@ def compact(
         plan = _compact(reader, lock, max_replay, keep_last, keep_every, progress)
         plan.aborted_uploads, plan.uploads_problem = aborted.aborted_uploads, aborted.uploads_problem
         return plan
+    except (CorruptChainError, OSError):
+        lock.raise_if_lost()  # taken over meanwhile (its holder may have removed what this read or wrote)
+        raise
     finally:
         lock.release()
 
@@ -530,6 +533,9 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
         return truncate_locked(reader, lock, after)
+    except (CorruptChainError, OSError):
+        lock.raise_if_lost()  # taken over meanwhile: that is the error to report
+        raise
     finally:
         lock.release()
 

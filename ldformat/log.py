@@ -566,6 +566,17 @@ class WriterLock:
                 self._stop.set()
                 raise self.lost
 
+    def raise_if_lost(self) -> None:
+        """After a failed operation: raise :class:`LockLostError` if the lock was taken over
+        meanwhile (the taker may have removed what the operation wrote or read); otherwise, or
+        when the store cannot even be asked, return and let the original error stand."""
+        try:
+            self.check()
+        except LockLostError:
+            raise
+        except (LdformatError, OSError):
+            pass
+
     def release(self) -> bool:
         """Release by creating the next generation as ``released`` (if still the holder).
 

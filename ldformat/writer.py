@@ -917,12 +917,10 @@ class ChainWriter:
         if self._lock is None:
             return
         try:
-            self._lock.check()
+            self._lock.raise_if_lost()
         except LockLostError as lost:
             self._failed = lost
             raise lost from None
-        except (LdformatError, OSError):
-            pass  # the store fails for the check too: the original error says more
 
     def _raise_io(self, what: str, e: OSError, durable: str) -> NoReturn:
         if isinstance(e, WriterIOError):  # already names the object (the commit path's I/O errors)

@@ -705,6 +705,8 @@ class _Trial:
         self.a_store = PausingStore(env.handle(), on_create=other_host_lock if shape.takeover == "lease" else None)
         self.a = Session("A", self.ledger, self.a_store, env.path)
         self.a_error: BaseException | None = None
+        self.lock_max_at_release = 0
+        self.a_retook = False
 
     # -- set-up: W0 commits steps 0..w0_steps and closes; a leftover object is garbage --------------------
     def setup(self) -> None:
@@ -889,6 +891,9 @@ class _Trial:
         except BaseException as e:  # a finding (or a harness failure), reported
             v.append(f"{UNSAFE} the others failed while A was paused: {type(e).__name__}: {first_line(e)}")
         finally:
+            # The newest lock generation when A goes on: one A creates above it is a later take
+            # of the lock (after the others released it), not the generation A held when paused.
+            self.lock_max_at_release = max(generations(self.store), default=0)
             pause.release()
         thread.join(JOIN_LIMIT_S)
         res.trace = self.a_store.calls()
@@ -904,7 +909,9 @@ class _Trial:
             if after is not None:
                 after()
         except LockLostError as e:
-            if not (self.phase == "open-takeover" and not res.superseded):  # else A broke the lock, as told
+            # A breaking the lock is what open-takeover asks of it: when it held nothing at its
+            # pause, or took the lock again after it.
+            if not (self.phase == "open-takeover" and (not res.superseded or self.a_retook)):
                 v.append(f"{UNSAFE} the holder lost its lock to A: {first_line(e)}")
         except BaseException as e:
             v.append(f"{UNSAFE} the holder failed after A went on: {type(e).__name__}: {first_line(e)}")
@@ -921,6 +928,18 @@ class _Trial:
         if not res.superseded:
             if err is not None and not isinstance(err, ChainLockedError):
                 v.append(f"{ERROR} A (not holding the lock when paused) failed: {res.a_error}")
+            return
+        # A paused inside its own take of the lock (after creating its generation, before
+        # confirming it is the newest) holds nothing: it either takes the lock again after the
+        # others released it (a later holder, judged by the chain checks like any other) or is
+        # refused with ChainLockedError, having acted on nothing.
+        retook = any(c.op == "create_exclusive" and c.outcome == "ok" and c.paths[0].startswith("lock/")
+                     and (m := _GENERATION.match(c.paths[0])) is not None
+                     and int(m.group(1)) > self.lock_max_at_release for c in post)
+        acted = any(c.op == "delete" or (c.op == "create_exclusive" and c.outcome == "ok"
+                                         and c.paths[0].startswith("log/")) for c in post)
+        self.a_retook = retook
+        if retook or (isinstance(err, ChainLockedError) and not acted):
             return
         # A held the lock when it paused. Whatever it reports after the takeover is checked against
         # the chain (check_ledger); here: it deletes nothing newer, and it stops with LockLostError.
