@@ -901,7 +901,7 @@ class _Trial:
             v.append(f"{UNSAFE} A did not finish after its release")
             return
         self.judge_a(existing)
-        if not res.superseded and self.a_dropped:
+        if (not res.superseded or self.a_retook) and self.a_dropped:
             # A took the lock after the others, legitimately, and compacted or truncated: on purpose.
             self.ledger.drop(self.a_dropped, f"A's {self.phase} after the others")
         self.sync_all([(f"replica {i + 1} (synced while A was paused)", r) for i, r in enumerate(self.replicas)])
