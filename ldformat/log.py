@@ -398,6 +398,9 @@ class WriterLock:
         # Renewal (a thread) and the holder's checks and release never interleave: a check
         # between a renewal's create and its update of ``owner`` would see "a newer generation".
         self._mutex = threading.RLock()
+        #: True while the check that this generation was the newest after its create is owed
+        #: (the listing failed in acquire): the first check() makes it, before any action.
+        self._unconfirmed = False
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
 
@@ -473,9 +476,9 @@ class WriterLock:
             # (a renewal or a garbage collection deletes generations): only a generation that is
             # the newest after its create holds the lock (spec §15.1).
             try:
-                newest = numbered(store, LOCK_DIR, _LOCK_NAME)
-            except OSError as e:
-                raise io_error(f"{where}/{LOCK_DIR}: cannot list the writer lock", e) from None
+                newest: list[int] | None = numbered(store, LOCK_DIR, _LOCK_NAME)
+            except OSError:
+                newest = None  # the store failed just now: the first check() confirms it (before any action)
             if newest and newest[-1] > generation:
                 attempts += 1
                 if attempts > 8:
@@ -484,6 +487,7 @@ class WriterLock:
                     ) from None
                 continue
             lock = cls(store, where, owner, current, took_over)
+            lock._unconfirmed = newest is None
             if renew:
                 lock.start_renewal()
             return lock
@@ -557,6 +561,13 @@ class WriterLock:
                 newer = self.store.exists(nxt)
             except OSError as e:
                 raise io_error(f"{self.where}/{nxt}: cannot check the writer lock", e) from None
+            if not newer and self._unconfirmed:
+                try:
+                    newest = numbered(self.store, LOCK_DIR, _LOCK_NAME)
+                except OSError as e:
+                    raise io_error(f"{self.where}/{LOCK_DIR}: cannot list the writer lock", e) from None
+                newer = bool(newest) and newest[-1] > self.generation
+                self._unconfirmed = newer
             if newer:
                 self.lost = LockLostError(
                     f"{self.where}: another process took over this writer's lock (generation "

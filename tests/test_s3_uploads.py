@@ -68,7 +68,7 @@ def test_compact_aborts_the_uploads_a_killed_writer_left(s3_env: MotoServer) -> 
 
     result = runner.invoke(cli, ["compact", url])
     assert result.exit_code == 0, result.output
-    assert "abort 2 incomplete multipart upload(s)" in result.output
+    assert "abort 2 incomplete multipart uploads" in result.output
     assert _open_uploads(client, f"{name}/") == set()
     assert _open_uploads(client, f"{name}-other/") == {other}, "an upload of another chain was aborted"
     assert ldformat.validate(url).ok
