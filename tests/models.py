@@ -87,3 +87,18 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
     if scheduler is not None:
         scheduler.step()
     return float(loss.detach())
+
+
+def build_grad_chain(path: Any, steps: int = 12, anchor_every: int = 10) -> Any:
+    """A grad.dense chain of TinyNet + AdamW with ``steps`` steps, batches of 4 steps and an
+    anchor every ``anchor_every`` steps (the CLI tests' common chain); returns ``path``."""
+    from ldformat import ChainWriter
+
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with ChainWriter.create(path, model, opt, kind="grad.dense", batch_steps=4, anchor_every=anchor_every) as w:
+        for step in range(1, steps + 1):
+            train_step(model, opt, step)
+            w.record_step(step)
+    return path

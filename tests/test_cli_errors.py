@@ -25,7 +25,7 @@ import safetensors
 import safetensors.torch
 import torch
 from click.testing import CliRunner, Result
-from models import TinyNet, train_step
+from models import TinyNet, build_grad_chain
 
 import ldformat
 import ldtools.cli
@@ -47,15 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def build_chain(path: Path) -> Path:
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with ChainWriter.create(path, model, opt, kind="grad.dense", batch_steps=4, anchor_every=ANCHOR_EVERY) as w:
-        for step in range(1, STEPS + 1):
-            train_step(model, opt, step)
-            w.record_step(step)
-    return path
+def build_chain(path: Path, steps: int = STEPS) -> Path:
+    return Path(build_grad_chain(path, steps, ANCHOR_EVERY))
 
 
 @pytest.fixture(autouse=True)

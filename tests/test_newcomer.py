@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from models import TinyNet, train_step
+from models import TinyNet, build_grad_chain, train_step
 
 import ldformat
 import ldtools.consent
@@ -38,14 +38,7 @@ GOLDEN_SHARDED = REPO / "tests" / "golden" / "1.3" / "sharded.state.xor" / "chai
 
 # -- helpers ---------------------------------------------------------------------------------
 def build_chain(path: Path, steps: int = STEPS) -> Path:
-    torch.manual_seed(0)
-    model = TinyNet()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    with ChainWriter.create(path, model, opt, kind="grad.dense", batch_steps=4, anchor_every=ANCHOR_EVERY) as w:
-        for step in range(1, steps + 1):
-            train_step(model, opt, step)
-            w.record_step(step)
-    return path
+    return Path(build_grad_chain(path, steps, ANCHOR_EVERY))
 
 
 @pytest.fixture(scope="module")
