@@ -36,7 +36,15 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .capture import Checkpointer, ResidualPeer, ResumableSampler, TopKCommState, resume, topk_comm_hook
+    from .capture import (
+        CaptureOptions,
+        Checkpointer,
+        ResidualPeer,
+        ResumableSampler,
+        TopKCommState,
+        resume,
+        topk_comm_hook,
+    )
     from .compact import CompactionPlan, compact, truncate
     from .manifest import FORMAT_VERSION, KINDS
     from .reader import ChainReader
@@ -67,6 +75,7 @@ _LAZY: dict[str, str] = {
     "Store": ".stores",
     "TopK": ".topk",
     "Checkpointer": ".capture",
+    "CaptureOptions": ".capture",
     "ResidualPeer": ".capture",
     "ResumableSampler": ".capture",
     "TopKCommState": ".capture",
@@ -85,6 +94,7 @@ __all__ = [
     "ChainLockedError",
     "ChainReader",
     "ChainWriter",
+    "CaptureOptions",
     "Checkpointer",
     "CompactionPlan",
     "CorruptChainError",

@@ -179,11 +179,7 @@ class ChainReader:
         if step is None:
             return latest
         if step not in self.state.anchors and step not in self.state.deltas:
-            steps = self.steps
-            raise StepNotFoundError(
-                f"{self.path}: step {step} is not in the chain (committed steps: "
-                f"{_ranges(steps)}); pick one of those"
-            )
+            raise step_not_found(self.path, step, self.steps)
         return step
 
     def retrying(self, fn: Callable[[], T]) -> T:
@@ -535,3 +531,15 @@ class _Prefetcher:
             self._next.cancel()
         self._pool.shutdown(wait=True)
         self._decoder = None
+
+
+def step_not_found(path: str, step: int, steps: list[int]) -> StepNotFoundError:
+    """The error for a ``step`` the chain does not hold, naming the nearest committed steps."""
+    before = max((s for s in steps if s < step), default=None)
+    after = min((s for s in steps if s > step), default=None)
+    nearest = " and ".join(f"{s}" for s in (before, after) if s is not None)
+    return StepNotFoundError(
+        f"{path}: step {step} is not in the chain (committed steps: {_ranges(steps)})"
+        f"{f'; the nearest committed steps are {nearest}' if nearest else ''}. A chain holds the steps its writer "
+        "captured (the capture runtime may capture only every k-th step, docs/capture-runtime.md \"Bounded cost\"), "
+        "and compaction may drop steps: pick a committed one")

@@ -500,10 +500,13 @@ class ChainWriter:
         except UnsupportedStateError as e:
             self._failed = e
             raise
-        if self._captures_since_record > 1:
+        # A state.xor chain may skip steps (spec §11.3): then one optimizer step per step number.
+        steps = 1 if self.kind.startswith("grad.") or self._last_step is None else max(1, step - self._last_step)
+        if self._captures_since_record > steps:
             raise UsageError(
                 f"{self.path}: optimizer.step() ran {self._captures_since_record} times since the "
                 "last record_step; call record_step after every optimizer step"
+                f"{' (or record the step number it has reached)' if not self.kind.startswith('grad.') else ''}"
             )
         hyper, grads = self._captured if self._captured is not None else (None, {})
         anchor = self.anchor_every is not None and step % self.anchor_every == 0
@@ -561,12 +564,15 @@ class ChainWriter:
         self._check_usable()
         step = captured.step
         self._refuse_structure_in_old_chain(captured.optimizer, step)
-        if self._last_step is None or step != self._last_step + 1:
+        xor = self.kind == "state.xor"
+        # A state delta may span steps that were not captured (spec §11.3); a gradient delta may not.
+        if self._last_step is None or step <= self._last_step or (step != self._last_step + 1 and not xor):
             raise UsageError(
                 f"{self.path}: step {step} recorded out of order; the next step is "
                 f"{None if self._last_step is None else self._last_step + 1}"
+                f"{' or, in a state.xor chain, a later one' if xor and self._last_step is not None else ''}"
             )
-        xor = self.kind == "state.xor"
+        base = self._last_step
         values: dict[str, np.ndarray] = {}
         slots: list[tuple[int, str, CapturedTensor | None]]
         if xor:
@@ -578,7 +584,7 @@ class ChainWriter:
                      for name, ct in captured.tensors.items()]
         entry = StepEntry(
             step=step,
-            base=step - 1,
+            base=base,
             row=self._batch.rows,
             stepped=captured.stepped,
             hyper=None if xor else captured.hyper,
@@ -661,7 +667,9 @@ class ChainWriter:
                     f"{list(ct.shape)} during training; format 1.x refuses that: start a new chain")
         params = self._param_names
         coefs: dict[int, np.ndarray] = {}
-        if self._state_encoding == "sub" and self.predict_state:  # Adam prediction: format 1.6 on
+        # Adam prediction (format 1.6 on) models one optimizer step: a row spanning several is coded by `sub`.
+        spans_one_step = self._last_step is None or captured.step == self._last_step + 1
+        if self._state_encoding == "sub" and self.predict_state and spans_one_step:
             groups = captured.hyper if captured.stepped and captured.hyper is not None else captured.param_groups
             coefs = state_coefficients(self.optimizer, tensors, groups)
         wanted = wanted_encodings(tensors, params, self._state_encoding, coefs)

@@ -1,6 +1,7 @@
 """The capture runtime: feeding a chain from a training loop without stalling it (docs/capture-runtime.md)."""
 
 from .ddp import ResidualPeer, TopKCommState, gather_residuals, topk_comm_hook
+from .options import CaptureOptions
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps, wasted_time_per_step
 from .resume import resume
 from .runtime import MODES, Checkpointer, Mode
@@ -10,6 +11,7 @@ from .tuning import CaptureStats
 __all__ = [
     "MODES",
     "AdaptiveTuner",
+    "CaptureOptions",
     "CaptureStats",
     "Checkpointer",
     "Mode",

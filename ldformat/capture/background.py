@@ -41,6 +41,8 @@ class Queued(NamedTuple):
     #: Data parallel: the other ranks' RNG states and data positions (spec §19.1 ``ranks``),
     #: from the exchange thread; waited for before the extra is encoded.
     ranks: Future[RankStates | None] | None = None
+    #: time.monotonic() when the step ended: once it is committed, what a crash loses is measured from it.
+    ended_at: float | None = None
 
 
 class BackgroundWriter:
@@ -55,6 +57,7 @@ class BackgroundWriter:
         self.tuning = tuning
         self.replica = replica
         self.error: BaseException | None = None
+        self.active = False  # working on a step now (the capture cadence's clean intervals need it idle)
         self.queue: queue.Queue[Queued | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="ldformat-writer", daemon=True)
         self.thread.start()
@@ -78,7 +81,8 @@ class BackgroundWriter:
             if item is None:
                 self.queue.task_done()
                 break
-            captured, raw_extra, buffers, ranks = item
+            captured, raw_extra, buffers, ranks, ended_at = item
+            self.active = True
             started = time.perf_counter()
             released = False
 
@@ -101,6 +105,7 @@ class BackgroundWriter:
                     self.writer.append(captured, encoded=release)
                     if self.writer.commits != commits:
                         self.stats.commits += self.writer.commits - commits
+                        self.stats.durable_at = ended_at
                         if self.on_commit is not None:
                             self.on_commit(self.writer.durable_step)
                     if captured.anchor:
@@ -113,4 +118,5 @@ class BackgroundWriter:
                 self.stats.background_wall_s += time.perf_counter() - started
                 self.stats.background_cpu_s = time.thread_time() - cpu_start
                 release()
+                self.active = False
                 self.queue.task_done()

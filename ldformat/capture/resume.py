@@ -18,7 +18,7 @@ import torch
 from ..errors import CorruptChainError, LdformatError, StepNotFoundError, UsageError
 from ..log import ROOT_FILE, WriterLock, open_log_for_write
 from ..manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
-from ..reader import ChainReader
+from ..reader import ChainReader, step_not_found
 from ..replicate import ReplicaDivergedError, sync
 from ..sharded import ShardedReader, assemble_state, extra_of_rank, is_sharded
 from ..shards import has_dtensors
@@ -147,7 +147,7 @@ def resume(
     if step is None:
         step = _exact_step(reader) if exact else reader.latest_step
     elif step not in reader.steps:
-        raise StepNotFoundError(f"{path}: step {step} is not in the chain")
+        raise step_not_found(str(path), step, reader.steps)
     model, optimizer, scheduler = unwrap_model(model), unwrap_optimizer(optimizer), unwrap_scheduler(scheduler)
     refuse_other_optimizer(reader.root.schema, optimizer, path)
     reader.replay_device = replay_device(reader, model)
@@ -402,7 +402,7 @@ def _open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
     target = latest if step is None else step
     if latest is not None and target is not None and target != latest:
         if target not in reader.steps:
-            raise UsageError(f"{path}: step {target} is not in the chain; resume from one of its steps")
+            raise UsageError(str(step_not_found(str(path), target, reader.steps)))
         later = [s for s in reader.steps if s > target]
         if not truncate:
             raise UsageError(

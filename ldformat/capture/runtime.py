@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -54,6 +54,7 @@ from ..stores import Store
 from ..topk import TopK
 from ..writer import ChainWriter, build_schema
 from .background import BackgroundWriter, Queued
+from .cadence import Cadence
 from .ddp import (
     EXTRAS_TIMEOUT_S,
     ExchangeThread,
@@ -67,6 +68,7 @@ from .ddp import (
 from .extra import MAX_SCALARS, Stateful, check_scalars, loop_extra, step_lrs
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
+from .options import CaptureOptions
 from .policy import AdaptiveTuner, PolicyInputs
 from .replica import Replica
 from .resume import load_anchor_residuals, open_writer
@@ -88,6 +90,8 @@ from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+T = TypeVar("T")
 
 log = logging.getLogger("ldformat.capture")
 
@@ -228,6 +232,11 @@ class Checkpointer:
             for one final sync, and warns if the mirror is still behind.
         commit_timeout: sharded models only: :meth:`close` on rank 0 waits at most this many
             seconds for every rank's last step before it commits it for all.
+        options: a :class:`CaptureOptions`: the overhead budget (``max_overhead``, default
+            3.5 %) and the capture interval (``capture_every``, default ``"auto"``: in
+            ``xor`` mode every k-th step, with the smallest k whose measured cost fits the
+            budget; docs/capture-runtime.md "Bounded cost"), and any of the cadence and
+            pipeline keywords above (give each one way, not both).
         copy_ranks: sharded models only: whether a new chain may make a rank whose blocks are
             those of a lower rank (a replica of hybrid sharding, HSDP) a copy rank that writes
             nothing (spec §20.2). Default: yes, unless the model has BatchNorm layers with running
@@ -284,9 +293,25 @@ class Checkpointer:
         mirror_timeout: float = DEFAULT_MIRROR_TIMEOUT_S,
         commit_timeout: float = DEFAULT_COMMIT_TIMEOUT_S,
         copy_ranks: bool | None = None,
+        options: CaptureOptions | None = None,
     ) -> None:
         if mode not in MODES:
             raise UsageError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if options is None:
+            options = CaptureOptions()
+        elif not isinstance(options, CaptureOptions):
+            raise UsageError(f"options must be a CaptureOptions, not {type(options).__name__}")
+        given = options.given()
+        anchor_every = _one_way(given, "anchor_every", anchor_every, "auto")
+        batch_steps = _one_way(given, "batch_steps", batch_steps, "auto")
+        max_stall = _one_way(given, "max_stall", max_stall, 0.035)
+        mtbf_hours = _one_way(given, "mtbf_hours", mtbf_hours, 24.0)
+        max_lost_s = _one_way(given, "max_lost_s", max_lost_s, DEFAULT_MAX_LOST_S)
+        queue_depth = _one_way(given, "queue_depth", queue_depth, None)
+        max_batch_bytes = _one_way(given, "max_batch_bytes", max_batch_bytes, 1 << 30)
+        encode_threads = _one_way(given, "encode_threads", encode_threads, None)
+        stage_during_backward = _one_way(given, "stage_during_backward", stage_during_backward, None)
+        self.options = options
         if compressor is not None and mode != "lowdiff":
             raise UsageError(f"mode {mode!r} takes no compressor; use mode='lowdiff' with a TopK compressor")
         if queue_depth is None:
@@ -300,6 +325,11 @@ class Checkpointer:
         optimizer = unwrap_optimizer(optimizer)
         scheduler = unwrap_scheduler(scheduler)
         self.sharded = has_dtensors(model)
+        every = options.capture_every
+        if isinstance(every, int) and every > 1 and (mode != "xor" or self.sharded or world_size(process_group) > 1):
+            raise UsageError(f"capture_every={every}: only mode 'xor' with one recording process can skip steps (a "
+                             "gradient delta needs every step; data-parallel and sharded ranks would have to agree "
+                             "on the steps); give capture_every=1 or 'auto'")
         if max_bytes is not None and not self.sharded:
             check_budget(max_bytes, model, optimizer)
         self.path = str(path)
@@ -442,6 +472,18 @@ class Checkpointer:
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)
+        # Only a state delta may span steps, and only one recording process decides which (docs/capture-runtime.md
+        # "Bounded cost"); the others capture every step, and say so when that costs more than the budget.
+        self.cadence = Cadence(options, adaptive=mode == "xor" and options.capture_every == "auto" and not (
+            self.sharded or data_parallel), last_captured=self._step, max_lost_s=max_lost_s)
+        self.tuning.cadence = self.cadence
+        self.stats.capture_every = self.cadence.every
+        self.stats.durable_at = time.monotonic()
+        self._skipping: int | None = None  # the step running now, not captured
+        self._uncaptured_end: int | None = None  # the step that ended uncaptured; a scaler.update may follow
+        self._after_capture = True  # whether the step of the interval now running was captured
+        self._background_mark = (0.0, False)  # the background's busy seconds and activity at the last pre-hook
+        self._last_queued_at: float | None = None
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
         if data_parallel and self._rank_extras is not None:
             self._rank_extras.announce_start(self._step, anchor_every if isinstance(anchor_every, int) else None)
@@ -590,8 +632,16 @@ class Checkpointer:
             self._exchanges.settle()
         if self._last_pre is not None:
             self.stats.step_times.append(started - self._last_pre)
+            self._account_interval(started - self._last_pre)
         self._last_pre = started
+        if self._skipping is not None:
+            return None  # the step already began, uncaptured
         if self._pending is None or self._pending.post_done:
+            if self._pending is not None:
+                self._finalize()  # the previous step, which no scheduler or scaler call closed
+            if not self._begin_step():
+                self.stats.stall_s += time.perf_counter() - started
+                return None
             self._stage_buffers()
             # The writer may have failed while this step waited for a buffer set (it keeps
             # handing sets back, unencoded, once it has): stop here, not a step later.
@@ -612,6 +662,35 @@ class Checkpointer:
         pending.pre_end = time.perf_counter()
         self.stats.stall_s += pending.pre_end - started
         return None
+
+    def _begin_step(self) -> bool:
+        """Whether the step about to run is captured (:mod:`.cadence`); if not, it runs as ``_skipping``."""
+        step = self._step + 1
+        self._uncaptured_end = None
+        self._after_capture = self.cadence.due(step)
+        if self._after_capture:
+            self.cadence.captured(step)
+        else:
+            self._skipping = step
+        return self._after_capture
+
+    def _end_uncaptured(self) -> None:
+        """The uncaptured step ended: the live state moved on, the chain did not."""
+        step = self._skipping if self._skipping is not None else self._step + 1
+        self._skipping = None
+        self._uncaptured_end = self._step = step
+        self._scalars = {}  # logged for a step the chain does not hold
+        self.stats.steps += 1
+
+    def _account_interval(self, seconds: float) -> None:
+        """One step interval, for the capture cadence (:meth:`Cadence.interval`)."""
+        busy, active = self.stats.background_wall_s, self._background.active
+        clean = not self._after_capture and not active and self._background_mark == (busy, False)
+        # The background's CPU time bounds what it can take from training (its I/O waits take nothing).
+        self.cadence.interval(seconds, after_capture=self._after_capture, clean=clean, stall_s=self.stats.stall_s,
+                              background_s=self.stats.background_cpu_s)
+        self._background_mark = (busy, active)
+        self.stats.capture_every, self.stats.overhead = self.cadence.every, self.cadence.overhead
 
     def _capture_gradients(self, optimizer: torch.optim.Optimizer, pending: _Pending) -> None:
         """The gradients the optimizer is about to consume, and the hyperparameters it uses."""
@@ -658,6 +737,9 @@ class Checkpointer:
     def _post_hook(self, optimizer: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         if nested_step(optimizer):
             return
+        if self._skipping is not None:
+            self._end_uncaptured()
+            return
         started = time.perf_counter()
         pending = self._pending
         if pending is None or pending.post_done:
@@ -675,8 +757,15 @@ class Checkpointer:
         if self._closed:
             return
         self._raise_if_failed()
+        if self._uncaptured_end is not None:  # the step ended uncaptured at the optimizer's post-hook
+            self._uncaptured_end = None
+            return
         if self._pending is None or not self._pending.post_done:
             # GradScaler skipped the step and a non-fused optimizer's hooks never fired.
+            if self._pending is None and not self._begin_step():
+                self._end_uncaptured()
+                self._uncaptured_end = None
+                return
             buffers = self._stage_buffers()
             pending = self._pending
             if pending is None or pending.buffers is not buffers:
@@ -736,10 +825,11 @@ class Checkpointer:
         scalars, self._scalars = self._scalars, {}
         if pending.stepped and pending.hyper is not None:  # the lr the step used; a logged lr wins
             scalars = {**step_lrs(pending.hyper, MAX_SCALARS - len(scalars)), **scalars}
+        self._last_queued_at = time.monotonic()
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
-                                    pending.buffers,
-                                    pending.ranks))
+                                    pending.buffers, pending.ranks, self._last_queued_at))
         self._step = step
+        self.stats.captured += 1
         if anchor:
             self._last_anchor = step
         self.stats.steps += 1
@@ -801,12 +891,36 @@ class Checkpointer:
             return None
         if self._pending is not None and self._pending.post_done:
             self._finalize()
+        self._capture_live()
         self._background.join()
         self._raise_if_failed()
         step = self.writer.commit()
+        self._committed_all()
         if self._mirror is not None:
             self._mirror.committed(step)
         return step
+
+    def _capture_live(self) -> None:
+        """Capture the live state if steps ran since the last capture (``flush`` and ``close``:
+        the chain then ends at the state training reached)."""
+        if self._pending is not None or self._skipping is not None or self._step <= self.cadence.last_captured:
+            return
+        buffers, waited = self.pool.acquire()
+        self.stats.backpressure_s += waited
+        self._pending = _Pending(step=self._step, buffers=buffers, stepped=True)
+        self.cadence.captured(self._step)
+        self._capture_after_step(self._pending)
+        self._finalize()
+
+    def _committed_all(self) -> None:
+        """Every queued step is durable now: a crash loses only what runs from the last of them."""
+        if self._last_queued_at is not None and self.writer.durable_step == self._step:
+            self.stats.durable_at = self._last_queued_at
+
+    @property
+    def capture_every(self) -> int:
+        """The capture interval in force, in steps (docs/capture-runtime.md "Bounded cost")."""
+        return self.cadence.every
 
     def recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """``lowdiff+``: restore the live objects from the in-memory replica (no storage read).
@@ -840,6 +954,8 @@ class Checkpointer:
                 self._pending.post_done or self._pending.hyper is not None
             ):
                 self._finalize()
+            if self._background.error is None:
+                self._capture_live()
         finally:
             self._closed = True
             self._background.stop()
@@ -856,6 +972,7 @@ class Checkpointer:
             self._raise_if_failed()
         try:
             step = self.writer.commit()
+            self._committed_all()
             if self._committer is not None:  # every rank's last step, committed for all (spec §20.3)
                 step = self._committer.finish(step, self.commit_timeout)
             if self.sharded and self.writer.max_bytes is not None:
@@ -898,3 +1015,12 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _one_way(given: dict[str, object], name: str, keyword: T, default: T) -> T:
+    """A setting given as a Checkpointer keyword or in ``options``, not both."""
+    if name not in given:
+        return keyword
+    if keyword != default:
+        raise UsageError(f"{name} is given both as a keyword and in options=; give it one way")
+    return given[name]  # type: ignore[return-value]  # CaptureOptions checked its type

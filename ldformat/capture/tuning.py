@@ -24,6 +24,7 @@ from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_b
 
 if TYPE_CHECKING:
     from ..writer import ChainWriter
+    from .cadence import Cadence
 
 log = logging.getLogger("ldformat.capture")
 
@@ -64,6 +65,17 @@ class CaptureStats:
     # Sharded chains, rank 0 (:mod:`.sharded`): from the end of a step on rank 0 to its global commit record.
     commit_latency_s: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
     global_commits: int = 0
+    # The capture interval (docs/capture-runtime.md "Bounded cost", :mod:`.cadence`).
+    captured: int = 0  # steps captured (``steps`` counts every step the optimizer took)
+    capture_every: int = 1  # k in force
+    overhead: float | None = None  # the latest measured overhead fraction (None: not measured yet)
+    durable_at: float | None = None  # time.monotonic() when the durable step's state was live
+
+    @property
+    def seconds_at_risk(self) -> float:
+        """Seconds of training since the state of the latest durable step: what a crash now loses."""
+        since = self.durable_at
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     @property
     def mirror_lag_seconds(self) -> float:
@@ -87,6 +99,10 @@ class CaptureStats:
             "global_commits": self.global_commits,
             "commit_latency_s": list(self.commit_latency_s),
             "mirror_syncs": self.mirror_syncs,
+            "captured": self.captured,
+            "capture_every": self.capture_every,
+            "overhead": self.overhead,
+            "seconds_at_risk": self.seconds_at_risk,
         }
 
 
@@ -153,6 +169,8 @@ class Tuning:
         self.anchor_write_s: float | None = None  # the latest anchor write (and commit), once measured
         self._chosen = False
         self._stall_accounted = 0.0
+        self.cadence: Cadence | None = None  # the capture interval, which automatic batches follow
+        self._cadence_decisions = 0
 
     def extra(self) -> dict[str, object]:
         """The ``policy`` entry of a step's extra state (spec §19.1)."""
@@ -163,6 +181,8 @@ class Tuning:
         inputs = self.stats.policy.get("inputs")
         if isinstance(inputs, dict):  # the measurements the wasted-time model used
             policy["inputs"] = dict(inputs)
+        if self.cadence is not None:
+            policy.update(self.cadence.extra())
         return policy
 
     def inputs(self, writer: ChainWriter) -> PolicyInputs | None:
@@ -193,6 +213,12 @@ class Tuning:
             if inputs is not None:
                 self._chosen = True
                 self._choose(writer, inputs, step_bytes)
+        elif self._chosen and self.auto_batch and self.cadence is not None and (
+                self.cadence.decisions != self._cadence_decisions):
+            self._cadence_decisions = self.cadence.decisions  # the interval may have moved: so may the batch
+            inputs = self.inputs(writer)
+            if inputs is not None:
+                self._choose_batch(writer, inputs, step_bytes)
         if self.tuner.due():
             self._widen_on_stall(writer)
 
@@ -204,10 +230,7 @@ class Tuning:
                 self._anchor_bound = max(1, (self.max_bytes - 2 * anchor_bytes) // max(1, step_bytes))
             self.anchor_every = optimal_anchor_every(inputs, upper=self._anchor_bound)
         if self.auto_batch:
-            self._step_time_s = inputs.step_time_s
-            upper = max(1, min(MAX_AUTO_BATCH_STEPS, self.max_batch_bytes // (step_bytes or 1), self._lost_bound()))
-            self.batch_steps = optimal_batch_steps(inputs, upper=upper)
-            writer.batch_steps = self.batch_steps
+            self._choose_batch(writer, inputs, step_bytes)
         self.stats.policy = {"inputs": inputs.to_dict(), "anchor_every": self.anchor_every,
                              "batch_steps": self.batch_steps}
         log.info(
@@ -216,11 +239,25 @@ class Tuning:
             inputs.step_time_s, inputs.anchor_write_s, inputs.replay_step_s, inputs.commit_s,
             inputs.mtbf_s / 3600)
 
+    def _choose_batch(self, writer: ChainWriter, inputs: PolicyInputs, step_bytes: int) -> None:
+        """An automatic ``batch_steps``: with a capture cadence, the fewest steps at risk whose commits
+        fit its share of the overhead budget; without one, the wasted-time model's optimum."""
+        self._step_time_s = inputs.step_time_s
+        upper = max(1, min(MAX_AUTO_BATCH_STEPS, self.max_batch_bytes // (step_bytes or 1), self._lost_bound()))
+        if self.cadence is not None:
+            self.batch_steps = self.cadence.batch_steps(inputs.commit_s, self.cadence.tau0 or inputs.step_time_s,
+                                                        upper)
+        else:
+            self.batch_steps = optimal_batch_steps(inputs, upper=upper)
+        writer.batch_steps = self.batch_steps
+        self.stats.policy["batch_steps"] = self.batch_steps
+
     def _lost_bound(self) -> int:
-        """The most steps a batch may hold within ``max_lost_s`` of measured step time."""
+        """The most captured steps a batch may hold within ``max_lost_s`` of measured step time."""
         if not self._step_time_s:
             return MAX_AUTO_BATCH_STEPS
-        return max(1, int(self.max_lost_s / self._step_time_s))
+        every = self.cadence.every if self.cadence is not None else 1
+        return max(1, int(self.max_lost_s / (self._step_time_s * every)))
 
     def _widen_on_stall(self, writer: ChainWriter) -> None:
         anchor_every, batch_steps, fraction = self.tuner.adjust(self.anchor_every, self.batch_steps)

@@ -1,0 +1,206 @@
+"""The capture interval: which steps to capture so that checkpointing stays within its budget.
+
+docs/capture-runtime.md "Bounded cost" states the model. In short: the runtime times every
+step interval (from one optimizer pre-hook to the next). An interval that follows an
+uncaptured step and during which the background writer did nothing is *clean*: their mean,
+``tau0``, is the step time without checkpointing. Over a window of intervals, the time above
+``n * tau0`` is what checkpointing cost (the training thread's stall plus the slowdown the
+background work inflicted), ``C`` per capture. Capturing every ``k``-th step costs
+``C / (k * tau0)``; the runtime keeps the smallest ``k`` for which that is within
+:data:`TARGET` of the budget once it went over (CheckFreq, section 4.3, with the capture interval as the knob).
+
+Clean intervals come for free once ``k > 1``. At ``k = 1`` none exist; there the stall plus
+the background writer's CPU time bounds the cost from above (the background cannot take more
+of the training's time than it computes), and while that bound fits the budget nothing else is
+needed. Only when it does not are :data:`PROBE_STEPS` steps left uncaptured to measure
+``tau0`` (again after :data:`REPROBE_S` seconds if ``k`` is still 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .options import CaptureOptions
+
+log = logging.getLogger("ldformat.capture")
+
+TARGET = 0.7  # k is chosen for this fraction of the budget: measurement noise must not push it over
+WINDOW_S = 2.0  # a decision needs at least this much training time ...
+WINDOW_STEPS = 4  # ... this many step intervals ...
+WINDOW_CAPTURES = 2  # ... and this many captures (or MAX_WINDOW_S)
+MAX_WINDOW_S = 30.0
+WARMUP_INTERVALS = 2  # the first intervals after opening (lazy initialization) are not measured
+PROBE_STEPS = 3
+REPROBE_S = 60.0
+BASELINE_SAMPLES = 32
+MAX_EVERY = 1_000_000
+COMMIT_SHARE = 0.25  # the share of the budget automatic commit batches may use
+
+
+@dataclass
+class _Window:
+    """Step intervals since the last decision."""
+
+    started: float
+    intervals: int = 0
+    seconds: float = 0.0
+    captures: int = 0
+    stall_s: float = 0.0  # the runtime's stall counter when the window began
+    background_s: float = 0.0  # the background writer's CPU seconds when the window began
+
+
+@dataclass
+class Cadence:
+    """The capture interval ``every`` in force and the measurements that move it.
+
+    Args:
+        options: the budget (``max_overhead``), ``capture_every`` and ``max_lost_s``.
+        adaptive: whether ``every`` may change (``xor``, one recording process, ``"auto"``).
+        last_captured: the step of the state the chain holds when the runtime starts.
+    """
+
+    options: CaptureOptions
+    adaptive: bool
+    last_captured: int
+    max_lost_s: float
+    every: int = 1
+    overhead: float | None = None  # the latest measured overhead fraction (an upper bound at k = 1 without tau0)
+    cost_per_capture_s: float | None = None
+    decisions: int = 0
+    _baseline: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=BASELINE_SAMPLES))
+    _window: _Window | None = None
+    _probe_left: int = 0
+    _seen: int = 0
+    _warned: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.options.capture_every, int):
+            self.every = self.options.capture_every
+
+    # -- per step ---------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (about to run) is captured."""
+        if self._probe_left > 0:
+            self._probe_left -= 1
+            return False
+        return step - self.last_captured >= self.every
+
+    def captured(self, step: int) -> None:
+        self.last_captured = step
+
+    @property
+    def tau0(self) -> float | None:
+        """The step time without checkpointing: the mean of recent clean intervals (a mean, not a
+        median: the cost is time above ``n * tau0`` summed over a window, and step times are skewed)."""
+        return statistics.fmean(s for _, s in self._baseline) if self._baseline else None
+
+    def _fresh_baseline(self, now: float) -> bool:
+        return bool(self._baseline) and now - self._baseline[-1][0] <= REPROBE_S
+
+    def interval(self, seconds: float, *, after_capture: bool, clean: bool, stall_s: float,
+                 background_s: float) -> None:
+        """Account one step interval (pre-hook to pre-hook). ``after_capture``: the step it
+        followed was captured; ``clean``: it followed an uncaptured step and the background
+        writer was idle throughout; ``stall_s``, ``background_s``: the runtime's cumulative
+        stall and the background writer's CPU seconds now."""
+        now = time.monotonic()
+        self._seen += 1
+        if self._seen <= WARMUP_INTERVALS:
+            return
+        if clean:
+            self._baseline.append((now, seconds))
+        if not self.adaptive:
+            return
+        w = self._window
+        if w is None:
+            self._window = _Window(started=now, stall_s=stall_s, background_s=background_s)
+            return
+        w.intervals += 1
+        w.seconds += seconds
+        w.captures += after_capture
+        elapsed = now - w.started
+        if self._probe_left > 0 or w.intervals < WINDOW_STEPS or elapsed < WINDOW_S or (
+                w.captures < WINDOW_CAPTURES and elapsed < MAX_WINDOW_S):
+            return
+        self._decide(w, now, stall_s - w.stall_s, background_s - w.background_s)
+
+    # -- decisions ------------------------------------------------------------------------------
+    def _decide(self, w: _Window, now: float, stall: float, busy: float) -> None:
+        budget = self.options.max_overhead
+        self._window = _Window(started=now, stall_s=w.stall_s + stall, background_s=w.background_s + busy)
+        bound = _relative(stall + busy, w.seconds)  # an upper bound of the overhead, relative to tau0
+        tau0 = self.tau0
+        if self.every == 1 and bound <= budget:
+            self.overhead, self.cost_per_capture_s = bound, None
+            self.decisions += 1
+            return  # fits even if the background took all of its time from training
+        if tau0 is not None and self._fresh_baseline(now):
+            extra = max(0.0, w.seconds - w.intervals * tau0)
+        else:
+            self._probe_left = PROBE_STEPS  # measure tau0 next
+            log.debug("ldformat: probing the step time without checkpointing (%d steps)", PROBE_STEPS)
+            if _relative(stall, w.seconds) <= budget:
+                return
+            # The training thread's own stall is over budget already: act on it (a lower bound of the cost).
+            extra, tau0 = stall, (w.seconds - stall) / w.intervals
+        self.overhead = extra / (w.intervals * tau0)
+        self.decisions += 1
+        if w.captures:
+            self._adapt(extra / w.captures, tau0)
+
+    def _adapt(self, cost: float, tau0: float) -> None:
+        """Raise k when a capture costs more than the budget, to TARGET of it; lower it (to a
+        quarter at most per decision: the cost is measured, but noisy) when TARGET still holds."""
+        budget = self.options.max_overhead
+        self.cost_per_capture_s = cost
+        wanted = max(1, min(MAX_EVERY, math.ceil(cost / (TARGET * budget * tau0))))
+        every = self.every
+        if cost / (self.every * tau0) > budget:
+            every = max(wanted, self.every + 1)
+        elif wanted < self.every:
+            every = max(wanted, self.every // 4)
+        if every != self.every:
+            log.info("ldformat: measured %.1f%% overhead (%.3fs per capture, %.4fs steps without checkpointing; "
+                     "budget %.1f%%): capturing every %d steps instead of %d", 100 * cost / (self.every * tau0),
+                     cost, tau0, 100 * budget, every, self.every)
+            self.every = every
+        self._warn_if_at_risk(tau0)
+
+    def _warn_if_at_risk(self, tau0: float) -> None:
+        """The budget wins over ``max_lost_s`` (docs/capture-runtime.md "Bounded cost"): say so once."""
+        at_risk = self.every * tau0
+        if at_risk > self.max_lost_s and not self._warned:
+            self._warned = True
+            log.warning(
+                "ldformat: keeping checkpoint overhead within %.1f%% needs a capture every %d steps (%.1f s of "
+                "training, %.3f s per capture measured), more than max_lost_s=%g s: a crash can lose up to %.1f s. "
+                "Raise max_overhead, or use a faster store or more host cores, to capture more often",
+                100 * self.options.max_overhead, self.every, at_risk, self.cost_per_capture_s or 0.0,
+                self.max_lost_s, at_risk)
+
+    def batch_steps(self, commit_s: float, step_s: float, upper: int) -> int:
+        """Captured steps per commit: the fewest whose commit cost fits :data:`COMMIT_SHARE` of the budget."""
+        seconds_between = max(self.every * step_s, 1e-9)
+        wanted = math.ceil(commit_s / (COMMIT_SHARE * self.options.max_overhead * seconds_between))
+        return max(1, min(upper, wanted))
+
+    def extra(self) -> dict[str, object]:
+        """The cadence members of a step's ``extra.policy`` (spec §19.1)."""
+        out: dict[str, object] = {"capture_every": self.every, "max_overhead": self.options.max_overhead}
+        if self.overhead is not None:
+            out["measured_overhead"] = round(self.overhead, 6)
+        tau0 = self.tau0
+        if tau0 is not None:
+            out["step_time_s"] = round(tau0, 6)
+        return out
+
+
+def _relative(cost: float, seconds: float) -> float:
+    """``cost`` seconds out of ``seconds`` as an overhead: relative to the time without them."""
+    rest = seconds - cost
+    return cost / rest if rest > 0 else math.inf

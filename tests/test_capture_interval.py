@@ -1,0 +1,177 @@
+"""The capture interval (docs/capture-runtime.md "Bounded cost"): a state.xor chain that holds
+every k-th step is exact at every step it holds, resumes exactly, validates, and names the
+nearest steps for one it does not hold; an automatic k rises when checkpointing costs more
+than its budget (a slowed store) and falls back when it recovers; slow steps keep k = 1."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from models import TinyNet, assert_state_bits_equal, batch, snapshot
+from torch import nn
+
+import ldformat
+from ldformat import CaptureOptions, ChainReader, StepNotFoundError, UsageError
+from ldformat.capture import cadence
+from ldformat.stores import LocalStore
+from ldformat.stores.faults import FaultyStore
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _close_leftover_checkpointers(close_leftover_checkpointers: None) -> None:
+    pass
+
+
+OPTIMIZERS: dict[str, Any] = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.01),
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
+}
+SKIPPED = {5, 9}  # GradScaler skips these (an inf gradient)
+
+
+def train(model: TinyNet, opt: torch.optim.Optimizer, sched: Any, scaler: Any, steps: range,
+          refs: dict[int, Any] | None = None) -> None:
+    for step in steps:
+        model.train()
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        if step in SKIPPED:
+            grad = model.hidden.weight.grad
+            assert grad is not None
+            grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        if refs is not None:
+            refs[step] = {**snapshot(model, opt), "scheduler": sched.state_dict(), "scaler": scaler.state_dict()}
+
+
+def objects(name: str) -> tuple[TinyNet, torch.optim.Optimizer, Any, Any]:
+    torch.manual_seed(0)
+    model = TinyNet()
+    opt = OPTIMIZERS[name](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    return model, opt, sched, scaler
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_third_step_is_exact_and_resumes_exactly(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "chain"
+    model, opt, sched, scaler = objects(name)
+    refs: dict[int, Any] = {0: {**snapshot(model, opt), "scheduler": sched.state_dict(),
+                                "scaler": scaler.state_dict()}}
+    ck = ldformat.Checkpointer(path, model, opt, scheduler=sched, scaler=scaler, anchor_every=7, batch_steps=2,
+                               options=CaptureOptions(capture_every=3))
+    train(model, opt, sched, scaler, range(1, 15), refs)
+    assert ck.capture_every == 3 and ck.stats.steps == 14
+    ck.close()  # the live state (step 14) is captured: the chain ends where training did
+    reader = ChainReader(path)
+    assert reader.steps == [0, 3, 6, 9, 12, 14]
+    for step, (_, entry) in reader.state.deltas.items():  # each delta spans the steps that were not captured
+        assert entry.base == max(s for s in reader.steps if s < step)
+    for step in reader.steps:
+        got = reader.materialize(step)
+        assert_state_bits_equal(got, refs[step], f"{name} step {step}")
+        assert got["extra"]["scheduler"] == refs[step]["scheduler"]
+        assert got["extra"]["scaler"] == refs[step]["scaler"]
+        assert step == 0 or got["extra"]["policy"]["capture_every"] == 3
+    assert ldformat.validate(path).ok
+    with pytest.raises(StepNotFoundError, match=r"step 4 is not in the chain.*nearest committed steps are 3 and 6"):
+        reader.materialize(4)
+
+    # Resume from a captured step in the middle and train on: bit-exact with the reference run.
+    model2, opt2, sched2, scaler2 = objects(name)
+    with pytest.raises(StepNotFoundError, match="nearest committed steps are 6 and 9"):
+        ldformat.resume(path, model2, opt2, scheduler=sched2, scaler=scaler2, step=8)
+    assert ldformat.resume(path, model2, opt2, scheduler=sched2, scaler=scaler2, step=9) == 9
+    train(model2, opt2, sched2, scaler2, range(10, 15))
+    assert_state_bits_equal(snapshot(model2, opt2), refs[14], f"{name} resumed at 9, step 14")
+
+
+def test_options_are_checked_and_given_one_way(tmp_path: Path) -> None:
+    model, opt, _, _ = objects("adam")
+    with pytest.raises(UsageError, match="max_overhead"):
+        CaptureOptions(max_overhead=0)
+    with pytest.raises(UsageError, match="capture_every"):
+        CaptureOptions(capture_every=0)
+    with pytest.raises(UsageError, match="batch_steps is given both"):
+        ldformat.Checkpointer(tmp_path / "a", model, opt, batch_steps=3, options=CaptureOptions(batch_steps=4))
+    with pytest.raises(UsageError, match="only mode 'xor'"):
+        ldformat.Checkpointer(tmp_path / "b", model, opt, mode="lowdiff+", options=CaptureOptions(capture_every=2))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # refused before anything is written
+    ck = ldformat.Checkpointer(tmp_path / "c", model, opt, options=CaptureOptions(batch_steps=5))
+    assert ck.batch_steps == 5
+    ck.close()
+
+
+def run_adaptive(path: Path, store: FaultyStore, phases: list[tuple[int, float]], budget: float) -> list[int]:
+    """Train TinyNet through ``phases`` of (steps, seconds a store write is slowed by); returns
+    the k in force after each step. A sample of the committed steps is checked to be exact."""
+    model, opt, _, _ = objects("adamw")
+    refs = {0: snapshot(model, opt)}
+    ck = ldformat.Checkpointer(path, model, opt, store=store, options=CaptureOptions(max_overhead=budget))
+    ks: list[int] = []
+    step = 0
+    for steps, slowed in phases:
+        store.clear()
+        if slowed:
+            store.stall(["write", "write_parts"], slowed)
+        for _ in range(steps):
+            step += 1
+            x, y = batch(step)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            time.sleep(0.01)  # the compute a real step would do
+            opt.step()
+            refs[step] = snapshot(model, opt)
+            ks.append(ck.capture_every)
+    store.clear()
+    ck.close()
+    reader = ChainReader(path, store=store)
+    assert reader.steps[-1] == step
+    for s in reader.steps[::40] + reader.steps[-2:]:  # a sample: each materialize replays from step 0
+        assert_state_bits_equal(reader.materialize(s), refs[s], f"step {s}")
+    return ks
+
+
+def test_interval_rises_on_a_slow_store_and_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cadence, "WINDOW_S", 0.4)
+    store = FaultyStore(LocalStore(tmp_path / "chain"))
+    ks = run_adaptive(tmp_path / "chain", store, [(30, 0.0), (60, 0.1), (200, 0.0)], budget=1.0)
+    slow = max(ks)
+    assert slow >= 8, f"a store 0.1 s slower per write must spread the captures out: k {ks[::10]}"
+    assert ks[-1] <= slow // 4, f"k must fall back once the store recovers: k {ks[::10]}"
+
+
+def test_slow_steps_keep_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cadence, "WINDOW_S", 0.4)
+    path = tmp_path / "chain"
+    model, opt, _, _ = objects("adamw")
+    ck = ldformat.Checkpointer(path, model, opt)
+    ks = []
+    for step in range(1, 21):
+        x, y = batch(step)
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        time.sleep(0.2)  # a slow step: capturing this small state costs far less than 3.5 % of it
+        opt.step()
+        ks.append(ck.capture_every)
+    assert set(ks) == {1} and ck.stats.overhead is not None and ck.stats.overhead <= 0.035
+    assert ck.stats.seconds_at_risk < 30
+    ck.close()
+    # At most one probe of the step time without checkpointing: a few consecutive steps not captured.
+    missing = sorted(set(range(21)) - set(ChainReader(path).steps))
+    assert len(missing) <= cadence.PROBE_STEPS and missing == list(range(missing[0], missing[0] + len(missing))) \
+        if missing else True, missing
