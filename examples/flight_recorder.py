@@ -42,7 +42,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def train(chain: Path, model: nn.Module, opt: torch.optim.Optimizer, start: int, end: int,
           spike: tuple[int, ...] = SPIKE) -> None:
     """Steps ``start + 1`` .. ``end`` into ``chain`` (a new chain when ``start`` is 0)."""
-    with ldformat.Checkpointer(chain, model, opt, anchor_every=25, batch_steps=10) as ck:
+    # Every step, whatever it costs: a per-step history is the point here (by default the capture
+    # interval adapts to a 3.5 % overhead budget, docs/capture-runtime.md "Bounded cost").
+    every_step = ldformat.CaptureOptions(capture_every=1)
+    with ldformat.Checkpointer(chain, model, opt, anchor_every=25, batch_steps=10, options=every_step) as ck:
         for step in range(start + 1, end + 1):
             x, y = batch(step)
             loss = nn.functional.mse_loss(model(x), y)

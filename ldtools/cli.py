@@ -772,6 +772,7 @@ def info(chain: str, as_json: bool, mirror: str | None, threads: int | None) -> 
                      f"replay {inputs['replay_step_s']:.4f}s/step, commit {inputs['commit_s']:.4f}s, "
                      f"MTBF {inputs['mtbf_s'] / 3600:.1f}h)")
         _echo(line)
+        _echo_cadence(policy)
         bounds = []
         if isinstance(policy.get("max_lost_s"), (int, float)):
             bounds.append(f"at most {policy['max_lost_s']:g} s of training lost in a crash (max_lost_s)")
@@ -783,6 +784,24 @@ def info(chain: str, as_json: bool, mirror: str | None, threads: int | None) -> 
     _echo(f"recorded on  torch {env.get('torch')}, {env.get('device')}, cpu {env.get('cpu_capability')}, "
           f"optimizer path {','.join(env.get('implementation', []))}")
     _echo_mirror_lag(data)
+
+
+def _echo_cadence(policy: dict[str, Any]) -> None:
+    """The capture interval of the latest step (docs/capture-runtime.md "Bounded cost")."""
+    every, budget = policy.get("capture_every"), policy.get("max_overhead")
+    if not isinstance(every, int) or not isinstance(budget, (int, float)):
+        return
+    line = f"capture      every {plural(every, 'step')}"
+    step_s, batch = policy.get("step_time_s"), policy.get("batch_steps")
+    if isinstance(step_s, (int, float)):
+        line += f" ({every * step_s:.3g} s of training)"
+        if isinstance(batch, int):
+            line += f", committed every {batch * every * step_s:.3g} s"
+    measured = policy.get("measured_overhead")
+    line += f"; overhead budget {100 * budget:g} %"
+    if isinstance(measured, (int, float)):
+        line += f", measured {100 * measured:.1f} %"
+    _echo(line)
 
 
 def _echo_mirror_lag(data: dict[str, Any]) -> None:

@@ -267,6 +267,8 @@ class Tuning:
             else self.anchor_every
         batch_steps = min(batch_steps, max(self.batch_steps, self._lost_bound())) if self.auto_batch \
             else self.batch_steps
+        if self.cadence is not None and self.cadence.adaptive:
+            batch_steps = self.batch_steps  # the capture interval answers a stall; commits stay frequent
         if (anchor_every, batch_steps) != (self.anchor_every, self.batch_steps):
             log.info("ldformat: stall %.1f%% > %.1f%%: anchor_every %d -> %d, batch_steps %d -> %d",
                      100 * fraction, 100 * self.tuner.max_stall, self.anchor_every, anchor_every,

@@ -54,6 +54,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         "ldformat.integrations.lightning needs Lightning (lightning.pytorch): pip install 'ldformat[lightning]'"
     ) from e
 
+from ..capture.options import CaptureOptions
 from ..capture.rng import RngState, capture_rng, restore_rng
 from ..capture.runtime import Checkpointer
 from ..capture.tuning import Interval
@@ -128,6 +129,8 @@ class LdformatCheckpoint(Callback):
             mirror's steps to ``path`` when the mirror is ahead (a lost local disk).
         extra: your own JSON-able dict, recorded as ``extra.user`` with every step; ``cb.extra``
             is that dict, so changing it changes what the next steps record.
+        options: a :class:`~ldformat.CaptureOptions` (the overhead budget, the capture interval,
+            ...), passed to the Checkpointer.
 
     Example:
         >>> cb = LdformatCheckpoint("runs/chain")                                 # doctest: +SKIP
@@ -159,6 +162,7 @@ class LdformatCheckpoint(Callback):
         mirror: str | os.PathLike[str] | None = None,
         mirror_options: dict[str, Any] | None = None,
         extra: dict[str, object] | None = None,
+        options: CaptureOptions | None = None,
     ) -> None:
         if extra is not None and _KEY in extra:
             raise UsageError(f"extra must not have the key {_KEY!r}: LdformatCheckpoint records its state there")
@@ -172,6 +176,7 @@ class LdformatCheckpoint(Callback):
         self.mirror = mirror
         self.mirror_options = mirror_options
         self.extra: dict[str, object] = dict(extra or {})
+        self.options = options
         self.checkpointer: Checkpointer | None = None
         """The Checkpointer of the running fit (None outside ``trainer.fit``)."""
         self._schedulers: _Schedulers | None = None
@@ -312,7 +317,7 @@ class LdformatCheckpoint(Callback):
             scaler=getattr(trainer.precision_plugin, "scaler", None), step=step, truncate=truncate,
             anchor_every=self.anchor_every, batch_steps=self.batch_steps, max_stall=self.max_stall,
             mtbf_hours=self.mtbf_hours, queue_depth=self.queue_depth, storage_options=self.storage_options,
-            mirror=self.mirror, mirror_options=self.mirror_options, extra=self.extra,
+            mirror=self.mirror, mirror_options=self.mirror_options, extra=self.extra, options=self.options,
         )
         self.checkpointer.user_extra = self.extra  # live: changes reach the next steps
         self._hparams = _hyper_parameters(pl_module)

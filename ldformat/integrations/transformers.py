@@ -62,6 +62,7 @@ import torch
 
 from ..capture.extra import Stateful
 from ..capture.mirror import Location
+from ..capture.options import CaptureOptions
 from ..capture.rng import RngState, capture_rng
 from ..capture.runtime import Checkpointer, Mode
 from ..capture.tuning import Interval
@@ -131,6 +132,7 @@ class _CheckpointerOptions(TypedDict, total=False):
     mirror_options: dict[str, Any] | None
     mirror_timeout: float
     commit_timeout: float
+    options: CaptureOptions | None
 
 
 class _SavesPretrained(Protocol):
