@@ -40,6 +40,11 @@ class ModelSize:
 WORKLOAD = ModelSize("gpt-30m", layers=8, width=512, heads=8, vocab=8192, seq=256, batch=8)
 QUICK_WORKLOAD = ModelSize("gpt-3m", layers=4, width=192, heads=6, vocab=4096, seq=64, batch=8)
 
+# Fast steps on one torch thread (benchmarks/interval.py): a small GPT on few tokens, so that a step
+# (<= 0.1 s) is short against the state it checkpoints, as on a GPU node.
+FAST_WORKLOAD = ModelSize("gpt-4m-fast", layers=4, width=256, heads=4, vocab=4096, seq=32, batch=2)
+QUICK_FAST_WORKLOAD = ModelSize("gpt-0.7m-fast", layers=2, width=128, heads=4, vocab=2048, seq=32, batch=2)
+
 # Scaling (bytes per step, materialize time): cheap runs, so a shorter sequence than the workload.
 SCALING_SIZES = [
     ModelSize("gpt-7m", layers=4, width=256, heads=4, vocab=8192, seq=128, batch=4),
