@@ -113,7 +113,8 @@ class Run:
     def checkpointer(self, path: str | Path, mode: str, step: int | None = None) -> ldformat.Checkpointer:
         return ldformat.Checkpointer(path, self.model, self.optimizer, mode=mode, scheduler=self.scheduler,
                                      sampler=self.sampler, anchor_every=ANCHOR_EVERY, batch_steps=BATCH_STEPS,
-                                     topk_ratio=TOPK_RATIO, step=step, truncate=step is not None)
+                                     topk_ratio=TOPK_RATIO, step=step, truncate=step is not None,
+                                     options=ldformat.CaptureOptions(capture_every=1))  # every step is compared
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch

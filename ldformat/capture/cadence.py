@@ -5,7 +5,8 @@ step interval (from one optimizer pre-hook to the next). An interval that follow
 uncaptured step and during which the background writer did nothing is *clean*: their mean,
 ``tau0``, is the step time without checkpointing. Over a window of intervals, the time above
 ``n * tau0`` is what checkpointing cost (the training thread's stall plus the slowdown the
-background work inflicted), ``C`` per capture. Capturing every ``k``-th step costs
+background work inflicted; never more than the stall plus the background's CPU time, so that a
+pause between steps or noise is not taken for it), ``C`` per capture. Capturing every ``k``-th step costs
 ``C / (k * tau0)``; the runtime keeps the smallest ``k`` for which that is within
 :data:`TARGET` of the budget once it went over (CheckFreq, section 4.3, with the capture interval as the knob).
 
@@ -34,7 +35,8 @@ WINDOW_S = 2.0  # a decision needs at least this much training time ...
 WINDOW_STEPS = 4  # ... this many step intervals ...
 WINDOW_CAPTURES = 2  # ... and this many captures (or MAX_WINDOW_S)
 MAX_WINDOW_S = 30.0
-WARMUP_INTERVALS = 2  # the first intervals after opening (lazy initialization) are not measured
+WARMUP_INTERVALS = 2  # the first intervals after opening (lazy initialization) are not measured ...
+WARMUP_S = 10.0  # ... nor is k moved in the first seconds of training (allocator, autotuning, caches warm up)
 PROBE_STEPS = 3
 REPROBE_S = 60.0
 BASELINE_SAMPLES = 32
@@ -76,6 +78,7 @@ class Cadence:
     _window: _Window | None = None
     _probe_left: int = 0
     _seen: int = 0
+    _first: float | None = None
     _warned: bool = False
 
     def __post_init__(self) -> None:
@@ -110,6 +113,8 @@ class Cadence:
         stall and the background writer's CPU seconds now."""
         now = time.monotonic()
         self._seen += 1
+        if self._first is None:
+            self._first = now
         if self._seen <= WARMUP_INTERVALS:
             return
         if clean:
@@ -118,6 +123,8 @@ class Cadence:
             return
         w = self._window
         if w is None:
+            if now - self._first < WARMUP_S:
+                return
             self._window = _Window(started=now, stall_s=stall_s, background_s=background_s)
             return
         w.intervals += 1
@@ -140,7 +147,9 @@ class Cadence:
             self.decisions += 1
             return  # fits even if the background took all of its time from training
         if tau0 is not None and self._fresh_baseline(now):
-            extra = max(0.0, w.seconds - w.intervals * tau0)
+            # At most the stall plus the background's CPU time: a pause between steps (an evaluation)
+            # or noise in the step time is not checkpointing's cost.
+            extra = min(max(0.0, w.seconds - w.intervals * tau0), stall + busy)
         else:
             self._probe_left = PROBE_STEPS  # measure tau0 next
             log.debug("ldformat: probing the step time without checkpointing (%d steps)", PROBE_STEPS)

@@ -829,6 +829,7 @@ class Checkpointer:
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
                                     pending.buffers, pending.ranks, self._last_queued_at))
         self._step = step
+        self.cadence.captured(step)
         self.stats.captured += 1
         if anchor:
             self._last_anchor = step
@@ -903,7 +904,8 @@ class Checkpointer:
     def _capture_live(self) -> None:
         """Capture the live state if steps ran since the last capture (``flush`` and ``close``:
         the chain then ends at the state training reached)."""
-        if self._pending is not None or self._skipping is not None or self._step <= self.cadence.last_captured:
+        if (self.mode != "xor" or self._pending is not None or self._skipping is not None
+                or self._step <= self.cadence.last_captured):
             return
         buffers, waited = self.pool.acquire()
         self.stats.backpressure_s += waited
