@@ -177,3 +177,23 @@ def test_slow_steps_keep_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     missing = sorted(set(range(21)) - set(ChainReader(path).steps))
     assert len(missing) <= cadence.PROBE_STEPS and missing == list(range(missing[0], missing[0] + len(missing))) \
         if missing else True, missing
+
+
+def test_gradient_mode_over_budget_says_so_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(cadence, "WINDOW_S", 0.2)
+    monkeypatch.setattr(cadence, "WARMUP_S", 0.0)
+    model, opt, _, _ = objects("adamw")
+    ck = ldformat.Checkpointer(tmp_path / "chain", model, opt, mode="lowdiff+",
+                               options=CaptureOptions(max_overhead=1e-6))  # no capture fits this budget
+    with caplog.at_level("WARNING", logger="ldformat.capture"):
+        for step in range(1, 41):
+            x, y = batch(step)
+            opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(model(x), y).backward()
+            time.sleep(0.01)
+            opt.step()
+    ck.close()
+    warnings = [r.getMessage() for r in caplog.records if "over the" in r.getMessage()]
+    assert len(warnings) == 1 and "mode='xor'" in warnings[0], warnings
+    assert ChainReader(tmp_path / "chain").steps == list(range(41))  # a gradient mode still records every step

@@ -119,7 +119,7 @@ class Cadence:
             return
         if clean:
             self._baseline.append((now, seconds))
-        if not self.adaptive:
+        if not self.adaptive and self._warned:
             return
         w = self._window
         if w is None:
@@ -140,6 +140,9 @@ class Cadence:
     def _decide(self, w: _Window, now: float, stall: float, busy: float) -> None:
         budget = self.options.max_overhead
         self._window = _Window(started=now, stall_s=w.stall_s + stall, background_s=w.background_s + busy)
+        if not self.adaptive:
+            self._warn_if_over_budget(_relative(stall, w.seconds), stall / max(1, w.captures))
+            return
         bound = _relative(stall + busy, w.seconds)  # an upper bound of the overhead, relative to tau0
         tau0 = self.tau0
         if self.every == 1 and bound <= budget:
@@ -179,6 +182,19 @@ class Cadence:
                      cost, tau0, 100 * budget, every, self.every)
             self.every = every
         self._warn_if_at_risk(tau0)
+
+    def _warn_if_over_budget(self, stall_overhead: float, stall_per_step: float) -> None:
+        """Every step is captured (a gradient mode, ranks, or a fixed interval): say once if the
+        training thread's stall alone is over the budget (docs/capture-runtime.md "Bounded cost")."""
+        self.overhead = stall_overhead
+        if stall_overhead <= self.options.max_overhead or isinstance(self.options.capture_every, int):
+            return  # within budget, or the user chose the interval
+        self._warned = True
+        log.warning(
+            "ldformat: capturing every %s costs %.1f%% of training in stall alone (%.3f s per step measured), over "
+            "the %.1f%% budget. This mode or setup captures every step; mode='xor' with one recording process "
+            "captures every k-th step and keeps within the budget", "step" if self.every == 1 else
+            f"{self.every} steps", 100 * stall_overhead, stall_per_step, 100 * self.options.max_overhead)
 
     def _warn_if_at_risk(self, tau0: float) -> None:
         """The budget wins over ``max_lost_s`` (docs/capture-runtime.md "Bounded cost"): say so once."""
