@@ -431,7 +431,8 @@ def test_each_step_fences_its_staging_copies_before_training_goes_on(tmp_path: P
     no-op; this checks that the runtime places it (tests/test_cuda.py checks the effect)."""
     model, opt, _ = make_objects()
     ck = ldformat.Checkpointer(tmp_path / "chain", model, opt, mode=mode, anchor_every=100, batch_steps=2,
-                               topk_ratio=0.2, queue_depth=2)
+                               topk_ratio=0.2, queue_depth=2,
+                               options=ldformat.CaptureOptions(lazy_snapshot=False))  # test_lazy_snapshot.py
     events: list[str] = []
     copy, mark, fence = ck.stager.copy, ck.stager.mark, ck.stager.fence
 

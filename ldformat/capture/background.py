@@ -43,6 +43,8 @@ class Queued(NamedTuple):
     ranks: Future[RankStates | None] | None = None
     #: time.monotonic() when the step ended: once it is committed, what a crash loses is measured from it.
     ended_at: float | None = None
+    #: xor's lazy snapshot (snapshot.py): whether the buffers hold the step's state, once fenced.
+    valid: Future[bool] | None = None
 
 
 class BackgroundWriter:
@@ -81,7 +83,7 @@ class BackgroundWriter:
             if item is None:
                 self.queue.task_done()
                 break
-            captured, raw_extra, buffers, ranks, ended_at = item
+            captured, raw_extra, buffers, ranks, ended_at, valid = item
             self.active = True
             started = time.perf_counter()
             released = False
@@ -93,7 +95,9 @@ class BackgroundWriter:
                     self.pool.release(buffers)  # noqa: B023 (called within this iteration)
 
             try:
-                if self.error is None:
+                if self.error is None and valid is not None and not valid.result():
+                    pass  # a change in place invalidated the lazy snapshot: the step is not recorded
+                elif self.error is None:
                     theirs = ranks.result(timeout=RANKS_TIMEOUT_S) if ranks is not None else None
                     if theirs:
                         raw_extra = {**raw_extra, "ranks": theirs}

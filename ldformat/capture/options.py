@@ -37,6 +37,10 @@ class CaptureOptions:
             training uncommitted. It does not bound ``capture_every``: when the interval that
             fits ``max_overhead`` is longer, the budget wins and a warning says so once, with
             the measured numbers.
+        lazy_snapshot: ``xor`` copies a step's parameters and optimizer state while the
+            next step's forward and backward run, and fences them at its optimizer step
+            (docs/capture-runtime.md "Lazy snapshot"); ``False`` copies them before
+            ``optimizer.step()`` returns.
         anchor_every, batch_steps, max_stall, mtbf_hours, queue_depth, max_batch_bytes,
             encode_threads, stage_during_backward: as the :class:`~ldformat.Checkpointer`
             keywords of the same names (``None``: that keyword's default).
@@ -45,6 +49,7 @@ class CaptureOptions:
     max_overhead: float = DEFAULT_MAX_OVERHEAD
     capture_every: Every = "auto"
     max_lost_s: float | None = None
+    lazy_snapshot: bool = True
     anchor_every: Every | None = None
     batch_steps: Every | None = None
     max_stall: float | None = None
@@ -69,7 +74,7 @@ class CaptureOptions:
 
     def given(self) -> dict[str, object]:
         """The Checkpointer keywords these options set (those not left ``None``)."""
-        own = {"max_overhead", "capture_every"}
+        own = {"max_overhead", "capture_every", "lazy_snapshot"}
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in own and getattr(self, f.name) is not None}
 

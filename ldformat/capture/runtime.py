@@ -84,6 +84,7 @@ from .sharded import (
     unsynchronized_statistics,
 )
 from .sharded import setup as sharded_setup
+from .snapshot import LazySnapshots
 from .staging import BufferPool, BufferSet, Stager
 from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
@@ -121,6 +122,7 @@ class _Pending:
     pre_end: float = 0.0
     # Data parallel, exchanged when the step ends (before any collective of the next step):
     ranks: Future[RankStates | None] | None = None  # the other ranks' RNG states and data positions
+    valid: Future[bool] | None = None  # xor's lazy snapshot: resolved at the next fence (snapshot.py)
     peer_residuals: dict[str, torch.Tensor] | None = None  # 'lowdiff' anchors: the other ranks' residuals
 
 
@@ -434,6 +436,8 @@ class Checkpointer:
         self._device_type = device.type
         self.stager = Stager(device)
         self.pool = BufferPool(queue_depth + 1, pin=self._cuda)
+        self._lazy = LazySnapshots(self.stager)
+        self._lazy.enabled = mode == "xor" and options.lazy_snapshot
         self._pending: _Pending | None = None
         self._last_pre: float | None = None
         self._last_step_bytes = 0
@@ -492,6 +496,7 @@ class Checkpointer:
         schema = self.writer.root.schema
         self._param_names: list[str] = schema["optimizer"]["params"]
         self._buffer_names = [e["name"] for e in schema["model"] if e["role"] == "buffer" and e["alias_of"] is None]
+        self._buffer_keys = {f"model/{n}" for n in self._buffer_names}  # forward may change them: never lazy
         self._params = params
         self._state_keys = self._optimizer_state_keys()
         self._replica = Replica(self.writer, optimizer) if mode == "lowdiff+" else None
@@ -614,6 +619,7 @@ class Checkpointer:
             return self._pending.buffers
         if self._pending is not None:  # the previous step was never finalized by a wrapper
             self._finalize()
+        self._lazy.fence()  # before waiting for a buffer set: the background writer may wait for it
         buffers, waited = self.pool.acquire()
         self.stats.backpressure_s += waited  # part of the stall its caller times
         self._pending = _Pending(step=self._step + 1, buffers=buffers, stepped=True)
@@ -630,6 +636,7 @@ class Checkpointer:
             # The previous step's exchange ran during this step's forward and backward: a failed
             # one (a rank died, a copy rank drifted) stops this step before it changes the state.
             self._exchanges.settle()
+        self._lazy.fence()  # the optimizer is about to change what the last step's snapshot copies
         if self._last_pre is not None:
             self.stats.step_times.append(started - self._last_pre)
             self._account_interval(started - self._last_pre)
@@ -710,15 +717,22 @@ class Checkpointer:
 
     def _capture_after_step(self, pending: _Pending) -> None:
         """Buffers (or the whole state for xor), RNG and data position: final after the step."""
+        lazy: dict[str, torch.Tensor] = {}
         if self.mode == "xor":
             live, pending.optimizer = self.writer.live_state()
+            if self._lazy.enabled:  # parameters and optimizer state: copied while the next step runs
+                lazy = {n: t for n, t in live.items() if n not in self._buffer_keys}
         else:
             live = live_buffers(self.model, self._buffer_names)
-        pending.tensors.update(capture_tensors(live, self._stage_copy(pending.buffers)))
+        eager = capture_tensors({n: t for n, t in live.items() if n not in lazy}, self._stage_copy(pending.buffers))
         # Nothing the training queues from here on may change a tensor before its copy is done
         # (the copies of the pre-hook, if any, ran alongside the optimizer step).
         self.stager.mark(pending.buffers)
         self.stager.fence(pending.buffers)
+        if lazy:
+            later, pending.valid = self._lazy.start(pending.step, lazy, pending.buffers)
+            eager.update(later)
+        pending.tensors.update({n: eager[n] for n in live})  # in the state's order
         pending.rng = capture_rng()
         pending.data = self._data_state()
         pending.post_done = True
@@ -827,7 +841,7 @@ class Checkpointer:
             scalars = {**step_lrs(pending.hyper, MAX_SCALARS - len(scalars)), **scalars}
         self._last_queued_at = time.monotonic()
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
-                                    pending.buffers, pending.ranks, self._last_queued_at))
+                                    pending.buffers, pending.ranks, self._last_queued_at, pending.valid))
         self._step = step
         self.cadence.captured(step)
         self.stats.captured += 1
@@ -893,6 +907,7 @@ class Checkpointer:
         if self._pending is not None and self._pending.post_done:
             self._finalize()
         self._capture_live()
+        self._lazy.fence()
         self._background.join()
         self._raise_if_failed()
         step = self.writer.commit()
@@ -904,8 +919,9 @@ class Checkpointer:
     def _capture_live(self) -> None:
         """Capture the live state if steps ran since the last capture (``flush`` and ``close``:
         the chain then ends at the state training reached)."""
+        self._lazy.fence()
         if (self.mode != "xor" or self._pending is not None or self._skipping is not None
-                or self._step <= self.cadence.last_captured):
+                or (self._step <= self.cadence.last_captured and self._step not in self._lazy.dropped)):
             return
         buffers, waited = self.pool.acquire()
         self.stats.backpressure_s += waited
@@ -960,6 +976,7 @@ class Checkpointer:
                 self._capture_live()
         finally:
             self._closed = True
+            self._lazy.close()
             self._background.stop()
             self._hooks.remove()
             open_at_exit.discard(self)
