@@ -42,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SCRIPT = HERE / "data_resume_train.py"
 RUN_TIMEOUT_S = 120.0
-README_SECTION = "## Checkpoint every step from a training loop"
+README_SECTION = "## Checkpoint from a training loop"
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not sys.platform.startswith("linux"),
                                 reason="the helper SIGKILLs itself and DataLoader workers fork")
