@@ -867,7 +867,7 @@ def log(chain: str, as_json: bool, rank: int | None) -> None:
 
 
 def _chain_log(reader: ChainReader, as_json: bool) -> None:
-    from ldformat.manifest import expand
+    from ldformat.manifest import expand, range_count
 
     rows: list[dict[str, Any]] = []
     for r in reader.records:
@@ -884,6 +884,8 @@ def _chain_log(reader: ChainReader, as_json: bool) -> None:
             "time": r.time,
             "anchors": anchors,
             "delta_steps": [steps[0], steps[-1]] if steps else None,
+            # Fewer than the span when the capture runtime captured every k-th step.
+            "delta_count": sum(len(d.steps) for d in r.deltas) + sum(range_count(g.delta_steps) for g in r.segments),
             "segments": len(r.segments),
             "bytes": sum(a.object.size for a in r.anchors) + sum(o.size for d in r.deltas for o in d.objects)
             + sum(g.object.size for g in r.segments),
@@ -894,7 +896,10 @@ def _chain_log(reader: ChainReader, as_json: bool) -> None:
     lines = [("SEQ", "TIME", "TYPE", "DELTAS", "ANCHORS", "BYTES", "REASON")]
     for row in rows:
         ds = row["delta_steps"]
-        lines.append((str(row["seq"]), row["time"], row["type"], f"deltas {ds[0]}-{ds[1]}" if ds else "no deltas",
+        span = f"deltas {ds[0]}-{ds[1]}" if ds else "no deltas"
+        if ds and row["delta_count"] != ds[1] - ds[0] + 1:
+            span += f" ({row['delta_count']} steps)"
+        lines.append((str(row["seq"]), row["time"], row["type"], span,
                       f"anchors {row['anchors']}" if row["anchors"] else "no anchors", human_bytes(row["bytes"]),
                       row["reason"]))
     # The first columns are as wide as their longest value; the reason, last, is free text.
