@@ -145,7 +145,7 @@ def test_stale_lock_takeover_is_exclusive(race_pool: Any, tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_stale_lock_takeover_soak(race_pool: Any, tmp_path: Path) -> None:
-    race_trials(race_pool, tmp_path, 2000)
+    race_trials(race_pool, tmp_path, 1200)
 
 
 def race_trials(race_pool: Any, tmp_path: Path, trials: int) -> None:
