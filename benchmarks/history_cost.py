@@ -11,9 +11,13 @@ What it does: records ``--steps`` AdamW steps of an MLP of about ``--params`` pa
 ``lowdiff+``, each its own chain), then times, ``--reps`` times each and alternating,
 ``ChainReader(chain).materialize(last)`` and ``list(step_history(chain))`` (a fresh reader
 each time; the chain's files are in the page cache after the first run). On a shared machine
-the fastest of the reps is the least disturbed, so the ratio is of the fastest runs::
+the fastest of the reps is the least disturbed, so the ratio is of the fastest runs. The CPU
+time of the whole process (every thread) is reported too: other processes disturb it less than
+the wall time. ``--threads N`` sets torch's intra-op threads (materialize's optimizer steps use
+them; stats measures each parameter on one thread, large ones on a pool of that many threads)::
 
     python -m benchmarks.history_cost                          # 200 steps, ~1M parameters
+    python -m benchmarks.history_cost --threads 1              # both on one torch thread
     python -m benchmarks.history_cost --out benchmarks/results/history_cost.md
 
 Results are printed as a markdown table and, with ``--out``, written to that file.
@@ -58,13 +62,14 @@ def record(chain: Path, mode: str, steps: int, params: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def timed(fn: object) -> float:
-    start = time.perf_counter()
+def timed(fn: object) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the whole process: every thread) of ``fn()``."""
+    start, cpu = time.perf_counter(), time.process_time()
     fn()  # type: ignore[operator]
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def measure(chain: Path, reps: int) -> tuple[list[float], list[float]]:
+def measure(chain: Path, reps: int) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     def materialize() -> None:
         ldformat.ChainReader(chain).materialize()
 
@@ -86,8 +91,11 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--modes", default="xor,lowdiff+")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]  # other processes share the cores: say how busy they were
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,20 +104,25 @@ def main() -> None:
             n = record(chain, mode, args.steps, args.params)
             m, s = measure(chain, args.reps)
             # The fastest run is the one least disturbed by other processes (a shared machine).
-            rows.append(f"| {mode} | {n:,} | {args.steps} | {min(m):.2f} / {statistics.median(m):.2f} | "
-                        f"{min(s):.2f} / {statistics.median(s):.2f} | {min(s) / min(m):.2f} |")
+            mw, sw = [w for w, _ in m], [w for w, _ in s]
+            mc, sc = [c for _, c in m], [c for _, c in s]
+            rows.append(f"| {mode} | {n:,} | {args.steps} | {min(mw):.2f} / {statistics.median(mw):.2f} | "
+                        f"{min(sw):.2f} / {statistics.median(sw):.2f} | {min(sw) / min(mw):.2f} | "
+                        f"{min(mc):.2f} / {min(sc):.2f} | {min(sc) / min(mc):.2f} |")
             print(rows[-1], flush=True)
     text = "\n".join([
         "# `ldtools stats` against `materialize` of the last step (issue 31)",
         "",
-        f"`python -m benchmarks.history_cost --steps {args.steps} --params {args.params} --reps {args.reps}`",
+        f"`python -m benchmarks.history_cost --steps {args.steps} --params {args.params} --reps {args.reps}"
+        f"{'' if args.threads is None else f' --threads {args.threads}'}`",
         f"({platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
         f"Python {sys.version.split()[0]}). One anchor (step 0): both replay every delta; stats also "
         f"measures each step. Page cache warm; load average before the run {load:.1f} "
-        f"on {os.cpu_count()} cores. Times: fastest / median of {args.reps} reps; the ratio is of the fastest.",
+        f"on {os.cpu_count()} cores. Times: fastest / median of {args.reps} reps; the ratio is of the fastest. "
+        "CPU: the process's CPU seconds (every thread), fastest of the reps.",
         "",
-        "| mode | parameters | steps | materialize last s | stats s | ratio |",
-        "|---|---|---|---|---|---|",
+        "| mode | parameters | steps | materialize last s | stats s | ratio | CPU s materialize / stats | CPU ratio |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
     ])

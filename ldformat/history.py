@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import statistics
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from .checks import check_extra
-from .errors import UsageError
+from .errors import CorruptChainError, UsageError
 from .jsonvalue import JSON, decode
 from .manifest import StepEntry
-from .reader import ChainReader, _decode_pool, _Prefetcher, _unexpected_as_corrupt
+from .reader import ChainReader, _decode_pool, _Prefetcher, _shared_pool, _unexpected_as_corrupt
 from .replay import Replayer
+from .sharded import ShardedReader, open_reader
+from .shards import Layout, assemble
 
 #: The trailing window of the spike detector, in present steps.
 SPIKE_WINDOW = 20
@@ -153,60 +157,72 @@ def rollback_step(history: list[StepStats]) -> int | None:
 
 
 # -- replaying a range once ------------------------------------------------------------------
-class _Norms:
-    """Per-parameter statistics of a replayed state, with the previous step's weights kept
-    (one copy of the parameters) to measure each update."""
+#: Parameters of fewer elements are measured on the calling thread: handing them to the pool
+#: would cost more than measuring them.
+POOL_MIN_NUMEL = 1 << 16
 
-    def __init__(self, replayer: Replayer, depth: int) -> None:
-        self.names = replayer.schema.params
+#: One parameter measured: ‖w‖², ‖w − w_prev‖² (None: no update), and the sum, maximum and
+#: number of elements of its ``exp_avg_sq`` (0, -inf, 0 without one).
+_Measured = tuple[float, float | None, float, float, int]
+
+
+class _Norms:
+    """Per-parameter statistics of replayed states, with the previous step's weights kept (one
+    contiguous copy of the parameters) to measure each update.
+
+    Each parameter is measured in one go while it is in cache: its norm, the difference from
+    the previous weights computed into their copy, that difference's norm, then the copy
+    takes the new weights. Parameters of at least :data:`POOL_MIN_NUMEL` elements are
+    measured on a pool of threads, each reduction on one thread: the numbers are those of
+    one thread, whatever the pool's size, and the sums across parameters are added in
+    parameter order."""
+
+    def __init__(self, names: Sequence[str], depth: int) -> None:
+        self.names = list(names)
         self.groups = [group_of(n, depth) for n in self.names]
         self.prev: dict[int, torch.Tensor] = {}
-        self.scratch: torch.Tensor | None = None  # w - prev, reused (fresh memory costs page faults)
 
-    def weights(self, replayer: Replayer) -> list[torch.Tensor | None]:
-        out: list[torch.Tensor | None] = []
-        for n in self.names:
-            t = replayer.tensors.get(f"model/{n}")
-            out.append(t.detach() if t is not None and t.is_floating_point() else None)
-        return out
+    def _one(self, i: int, w: torch.Tensor, v: torch.Tensor | None, update: bool) -> _Measured:
+        _single_thread()
+        w2 = _sq(w)
+        prev = self.prev.get(i)
+        if prev is not None and (prev.shape != w.shape or prev.dtype != w.dtype or prev.device != w.device):
+            prev = None
+        d2 = _sq(torch.sub(w, prev, out=prev)) if update and prev is not None else None
+        if prev is None:
+            self.prev[i] = w.clone(memory_format=torch.contiguous_format)
+        else:
+            prev.copy_(w)
+        if v is not None and v.numel():
+            return w2, d2, float(v.sum()), float(v.max()), v.numel()
+        return w2, d2, 0.0, -math.inf, 0
 
-    def remember(self, replayer: Replayer) -> None:
-        for i, w in enumerate(self.weights(replayer)):
-            if w is None:
-                continue
-            buf = self.prev.get(i)
-            if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or buf.device != w.device:
-                self.prev[i] = w.clone()
-            else:
-                buf.copy_(w)
-
-    def _difference(self, w: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        n = w.numel()
-        if self.scratch is None or self.scratch.numel() < n or self.scratch.dtype != w.dtype or \
-                self.scratch.device != w.device:
-            self.scratch = torch.empty(max(n, self.scratch.numel() if self.scratch is not None else 0),
-                                       dtype=w.dtype, device=w.device)
-        out = self.scratch[:n].view(w.shape)
-        return torch.sub(w, prev, out=out)
-
-    def measure(self, replayer: Replayer, with_update: bool) -> tuple[float, float | None, tuple[GroupStats, ...]]:
-        """(weight norm, update norm, groups); per tensor in its dtype, across tensors in float64."""
+    def measure(self, weights: Sequence[torch.Tensor | None], moments: Mapping[int, torch.Tensor],
+                with_update: bool, pool: ThreadPoolExecutor | None
+                ) -> tuple[float, float | None, tuple[GroupStats, ...]]:
+        """(weight norm, update norm, groups) of a state, then remember its weights; per tensor
+        in its dtype, across tensors in float64. Call on one torch thread (:func:`_one_thread`)."""
+        present = [(i, w) for i, w in enumerate(weights) if w is not None]
+        big = [i for i, w in present if w.numel() >= POOL_MIN_NUMEL] if pool is not None else []
+        futures = {i: pool.submit(self._one, i, w, moments.get(i), with_update)
+                   for i, w in present if i in big} if pool is not None and len(big) > 1 else {}
+        try:
+            done = {i: self._one(i, w, moments.get(i), with_update) for i, w in present if i not in futures}
+        finally:
+            wait(futures.values())  # none left running on the copies, even when one failed
+        done.update({i: f.result() for i, f in futures.items()})
         acc: dict[str, list[float]] = {}  # group -> [numel, w^2, dw^2, v sum, v max, v numel]
-        moments = _second_moments(replayer)
-        for i, w in enumerate(self.weights(replayer)):
-            if w is None:
-                continue
+        for i, w in present:
+            w2, d2, v_sum, v_max, v_numel = done[i]
             a = acc.setdefault(self.groups[i], [0.0, 0.0, 0.0, 0.0, -math.inf, 0.0])
             a[0] += w.numel()
-            a[1] += _sq(w)
-            prev = self.prev.get(i)
-            if with_update and prev is not None:
-                a[2] += _sq(self._difference(w, prev))
-            v = moments.get(i)
-            if v is not None and v.numel():
-                a[3] += float(v.sum())
-                a[4] = max(a[4], float(v.max()))
-                a[5] += v.numel()
+            a[1] += w2
+            if with_update and d2 is not None:
+                a[2] += d2
+            if v_numel:
+                a[3] += v_sum
+                a[4] = max(a[4], v_max)
+                a[5] += v_numel
         groups = tuple(GroupStats(
             name=g, numel=int(a[0]), weight_norm=math.sqrt(a[1]),
             update_norm=math.sqrt(a[2]) if with_update else None,
@@ -235,6 +251,20 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def _single_thread() -> None:
+    """One intra-op thread on this thread: a pool thread takes torch's thread count when it
+    first runs torch, which :func:`_one_thread` has set to 1 by then; checked all the same."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+def _measure_pool() -> ThreadPoolExecutor | None:
+    """The threads parameters are measured on: as many as torch's intra-op threads (None for
+    one: the calling thread measures). Call before :func:`_one_thread` sets them to 1."""
+    workers = torch.get_num_threads()
+    return _shared_pool(f"measure-{workers}", lambda: workers) if workers > 1 else None
+
+
 def _sq(t: torch.Tensor) -> float:
     """The sum of squares of ``t``: torch's cascaded sum in the tensor's dtype (relative error
     about 1e-6 for float32), a pass over memory at SIMD speed; a float64 accumulation costs 4x
@@ -244,6 +274,15 @@ def _sq(t: torch.Tensor) -> float:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else (0.0 if a == 0 else math.inf)
+
+
+def _weights(replayer: Replayer, names: Sequence[str]) -> list[torch.Tensor | None]:
+    """The floating-point parameters of a replayed state, by parameter index."""
+    out: list[torch.Tensor | None] = []
+    for n in names:
+        t = replayer.tensors.get(f"model/{n}")
+        out.append(t.detach() if t is not None and t.is_floating_point() else None)
+    return out
 
 
 def _second_moments(replayer: Replayer) -> dict[int, torch.Tensor]:
@@ -298,12 +337,15 @@ def _scalars(extra: JSON, where: str) -> dict[str, float]:
             if isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def step_history(chain: str | ChainReader, *, first: int | None = None, last: int | None = None,
-                 depth: int = 1) -> Iterator[StepStats]:
+def step_history(chain: str | os.PathLike[str] | ChainReader | ShardedReader, *, first: int | None = None,
+                 last: int | None = None, depth: int = 1) -> Iterator[StepStats]:
     """Replay steps ``first``..``last`` of ``chain`` once, yielding each step's statistics.
 
     Args:
-        chain: a path or URL, or an open :class:`ChainReader`.
+        chain: a path or URL, or an open :class:`ChainReader` or :class:`ShardedReader`. A
+            sharded chain (spec §20) replays its rank chains side by side, and measures the
+            full tensors, by FQN, assembled from their shards; scalars and learning rates are
+            rank 0's, bytes those of every rank chain.
         first, last: the range (default: the whole chain). The state before ``first`` is
             replayed too (without a record), so that ``first`` has an update.
         depth: parameters are grouped by the first ``depth`` components of their names.
@@ -322,7 +364,7 @@ def step_history(chain: str | ChainReader, *, first: int | None = None, last: in
     """
     if depth < 1:
         raise UsageError(f"depth must be at least 1, not {depth}")
-    reader = chain if isinstance(chain, ChainReader) else ChainReader(chain)
+    reader = chain if isinstance(chain, (ChainReader, ShardedReader)) else open_reader(chain)
     steps = reader.steps
     lo = steps[0] if first is None or (steps and first < steps[0]) else first
     hi = steps[-1] if last is None else last
@@ -330,9 +372,15 @@ def step_history(chain: str | ChainReader, *, first: int | None = None, last: in
     if not wanted:
         raise UsageError(f"{reader.path}: no committed step in {lo}..{hi} (committed: {steps[0] if steps else '-'}"
                          f"..{steps[-1] if steps else '-'}); pick a range inside the chain")
+    before = max((s for s in steps if s < wanted[0]), default=None)
     detectors = {"loss": SpikeDetector(), "relative_update": SpikeDetector()}
     _decode_pool()  # sized by torch's thread count: before _one_thread ever sets it to 1
-    for stats in _walk(reader, wanted, depth):
+    pool = _measure_pool()  # likewise
+    if isinstance(reader, ShardedReader):
+        history = _sharded_history(reader, wanted, before, depth, pool)
+    else:
+        history = _plain_history(reader, wanted, before, depth, pool)
+    for stats in history:
         yield _flag(stats, detectors)
 
 
@@ -359,21 +407,35 @@ def _fields(s: StepStats) -> dict[str, Any]:
     return {k: getattr(s, k) for k in s.__dataclass_fields__}
 
 
-def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepStats]:
-    """Runs of deltas that continue the previous step are streamed through one prefetcher; an
+@dataclass(frozen=True, kw_only=True)
+class _Frame:
+    """One step of a chain replayed: ``replayer`` holds its state until the next frame."""
+
+    reader: ChainReader
+    replayer: Replayer
+    step: int
+    since: int | None  # the step the update is measured from (None: no update)
+    entry: StepEntry | None  # the step's delta entry; None for a step only an anchor holds
+    anchor: bool
+    record: bool = True  # False: the state before the range, only measured from
+
+
+def _frames(reader: ChainReader, wanted: list[int], before: int | None) -> Generator[_Frame | int, None, None]:
+    """The states of ``wanted`` (and first of ``before``), one after another; an ``int`` is a
+    step between two wanted ones that the chain no longer holds (compacted away).
+
+    Runs of deltas that continue the previous step are streamed through one prefetcher; an
     anchor step is loaded from its anchor, and a step whose base is not the step before it
-    (compacted steps) is replayed from its anchor."""
+    (compacted steps) is replayed from its anchor. What is yielded depends on ``wanted`` and
+    ``before`` alone, not on how the chain stores them: the rank chains of a sharded chain
+    yield the same sequence."""
     state = reader.state
-    earlier = [s for s in reader.steps if s < wanted[0]]
     replayer: Replayer | None = None
-    norms: _Norms | None = None
     cur: int | None = None
-    if earlier:
-        cur = earlier[-1]
-        replayer = _replay_to(reader, cur)
-        norms = _Norms(replayer, depth)
-        with _one_thread():
-            norms.remember(replayer)
+    if before is not None:
+        replayer = _replay_to(reader, before)
+        yield _Frame(reader=reader, replayer=replayer, step=before, since=None, entry=None, anchor=False, record=False)
+        cur = before
     i = 0
     while i < len(wanted):
         run: list[int] = []
@@ -386,20 +448,16 @@ def _walk(reader: ChainReader, wanted: list[int], depth: int) -> Iterator[StepSt
                 break
             run.append(wanted[i])
             i += 1
-        if run and replayer is not None and norms is not None:
-            yield from _stream(reader, replayer, norms, run, cur)
+        if run and replayer is not None:
+            yield from _stream(reader, replayer, run, cur)
             cur = run[-1]
             continue
         s = wanted[i]
         if cur is not None:
-            yield from (StepStats(step=g, present=False) for g in range(cur + 1, s))
+            yield from range(cur + 1, s)
         replayer = reader.start_replay(s) if s in state.anchors else _replay_to(reader, s)
-        if norms is None:
-            norms = _Norms(replayer, depth)
-        with _one_thread():
-            record = _record(reader, replayer, norms, s, cur, _entry_of(reader, s), anchor=s in state.anchors)
-            norms.remember(replayer)
-        yield record
+        yield _Frame(reader=reader, replayer=replayer, step=s, since=cur, entry=_entry_of(reader, s),
+                     anchor=s in state.anchors)
         cur = s
         i += 1
 
@@ -416,9 +474,9 @@ def _entry_of(reader: ChainReader, step: int) -> StepEntry | None:
     return d[1] if d is not None else None
 
 
-def _stream(reader: ChainReader, replayer: Replayer, norms: _Norms, run: list[int],
-            cur: int | None) -> Iterator[StepStats]:
-    """Apply the deltas of ``run`` (each based on the one before it) one by one, measuring each."""
+def _stream(reader: ChainReader, replayer: Replayer, run: list[int], cur: int | None
+            ) -> Generator[_Frame | int, None, None]:
+    """Apply the deltas of ``run`` (each based on the one before it) one by one."""
     prev = cur
     batches = _Prefetcher(reader, run)
     try:
@@ -427,39 +485,138 @@ def _stream(reader: ChainReader, replayer: Replayer, norms: _Norms, run: list[in
             for s, step_entry in items:
                 where = f"{reader.path}/{entry.path} (step {s})"
                 if prev is not None and s != prev + 1:
-                    yield from (StepStats(step=g, present=False) for g in range(prev + 1, s))
+                    yield from range(prev + 1, s)
                 with _unexpected_as_corrupt(where):
                     if reader.kind == "state.xor":
                         replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
                     else:
                         replayer.apply_grad_step(step_entry, batch.row(step_entry.row), slots, where)
-                with _one_thread():
-                    record = _record(reader, replayer, norms, s, prev, step_entry, anchor=s in reader.state.anchors)
-                    norms.remember(replayer)
-                yield record
+                yield _Frame(reader=reader, replayer=replayer, step=s, since=prev, entry=step_entry,
+                             anchor=s in reader.state.anchors)
                 prev = s
             del batch
     finally:
         batches.close()
 
 
-def _record(reader: ChainReader, replayer: Replayer, norms: _Norms, step: int, since: int | None,
-            entry: StepEntry | None, *, anchor: bool) -> StepStats:
-    where = f"{reader.path} (step {step})"
-    weight, update, groups = norms.measure(replayer, with_update=since is not None)
+def _plain_history(reader: ChainReader, wanted: list[int], before: int | None, depth: int,
+                   pool: ThreadPoolExecutor | None) -> Iterator[StepStats]:
+    norms: _Norms | None = None
+    for frame in _frames(reader, wanted, before):
+        if isinstance(frame, int):
+            yield StepStats(step=frame, present=False)
+            continue
+        if norms is None:
+            norms = _Norms(frame.replayer.schema.params, depth)
+        with _one_thread():
+            measured = norms.measure(_weights(frame.replayer, norms.names), _second_moments(frame.replayer),
+                                     frame.since is not None, pool)
+        if frame.record:
+            yield _record(frame, measured, _step_bytes(frame), anchor=frame.anchor)
+
+
+class _Assembled:
+    """The full parameters and ``exp_avg_sq`` of a sharded chain's replayed state, assembled
+    from the rank chains' shards (spec §20.4, as :func:`~ldformat.sharded.assemble_state`)
+    into buffers reused from step to step."""
+
+    def __init__(self, reader: ShardedReader, names: Sequence[str]) -> None:
+        self.root, self.path, self.names = reader.root, reader.path, list(names)
+        self.layouts = [reader.root.tensors.get(f"model/{n}") for n in self.names]
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _whole(self, i: int, key: str, layout: Layout, pieces: Mapping[int, torch.Tensor], step: int) -> torch.Tensor:
+        by_rank = {r: pieces[self.root.source(r)] for r in range(self.root.world_size) if self.root.source(r) in pieces}
+        out = assemble(layout, by_rank, f"{self.path} (step {step}) {key}", out=self.buffers.get((i, key)))
+        self.buffers[(i, key)] = out
+        return out
+
+    def weights(self, replayers: Mapping[int, Replayer], step: int) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for i, (t, layout) in enumerate(zip(_weights(replayers[0], self.names), self.layouts, strict=True)):
+            name = f"model/{self.names[i]}"
+            if t is None or layout is None:  # not floating point, or replicated: rank 0's
+                out.append(t)
+                continue
+            pieces = {r: rp.tensors[name].detach() for r, rp in replayers.items() if name in rp.tensors}
+            out.append(self._whole(i, name, layout, pieces, step))
+        return out
+
+    def moments(self, replayers: Mapping[int, Replayer], step: int) -> dict[int, torch.Tensor]:
+        ranks = {r: _second_moments(rp) for r, rp in replayers.items()}
+        out = {}
+        for i, v in ranks[0].items():
+            layout = self.layouts[i] if i < len(self.layouts) else None
+            # Sharded like its parameter when every rank's piece has the shape of its shard.
+            if layout is not None and layout.split and all(
+                    (shard := layout.of_rank(r)) is not None and (piece := ranks[self.root.source(r)].get(i))
+                    is not None and tuple(piece.shape) == shard.lengths for r in range(self.root.world_size)):
+                out[i] = self._whole(i, f"optimizer/{i}/exp_avg_sq", layout,
+                                     {r: m[i] for r, m in ranks.items() if i in m}, step)
+            else:
+                out[i] = v
+        return out
+
+
+def _sharded_history(reader: ShardedReader, wanted: list[int], before: int | None, depth: int,
+                     pool: ThreadPoolExecutor | None) -> Iterator[StepStats]:
+    """The rank chains replayed side by side, each as a plain chain's history replays it: the
+    frames of one step are measured together on the assembled full tensors."""
+    ranks = reader.root.chain_ranks
+    walks = [_frames(reader.ranks[r], wanted, before) for r in ranks]
+    assembled: _Assembled | None = None
+    norms: _Norms | None = None
+    try:
+        for got in zip(*walks, strict=True):
+            frames = [f for f in got if isinstance(f, _Frame)]
+            if not frames:
+                yield StepStats(step=cast(int, got[0]), present=False)
+                continue
+            head = frames[0]
+            if len(frames) != len(got) or any(f.step != head.step for f in frames):
+                raise CorruptChainError(f"{reader.path}: the rank chains replay different steps at step {head.step}")
+            if assembled is None or norms is None:
+                assembled = _Assembled(reader, head.replayer.schema.params)
+                norms = _Norms(head.replayer.schema.params, depth)
+            replayers = {r: f.replayer for r, f in zip(ranks, frames, strict=True)}
+            with _one_thread():
+                weights = assembled.weights(replayers, head.step)
+                measured = norms.measure(weights, assembled.moments(replayers, head.step), head.since is not None,
+                                         pool)
+            if head.record:
+                yield _record(head, measured, sum(_step_bytes(f) for f in frames),
+                              anchor=all(f.anchor for f in frames))
+    finally:
+        for walk in walks:
+            walk.close()
+    if reader.truncated_since(wanted[-1]):
+        raise CorruptChainError(f"{reader.path}: the chain was truncated while its history was read; "
+                                "read it again when its maintenance is over")
+
+
+def _step_bytes(frame: _Frame) -> int:
+    """The bytes ``frame``'s step took: its share of its delta batch, and its anchor."""
     nbytes = 0
-    if entry is not None:
-        delta = reader.state.deltas[step][0]
+    if frame.entry is not None:
+        delta = frame.reader.state.deltas[frame.step][0]
         nbytes += sum(o.size for o in delta.objects) // max(1, delta.rows)  # the step's share of its batch
-        scalars = _scalars(entry.extra, where)
-        lrs = _lrs(entry.hyper, entry.param_groups, scalars, where)
+    if frame.anchor:
+        nbytes += frame.reader.state.anchors[frame.step].object.size
+    return nbytes
+
+
+def _record(frame: _Frame, measured: tuple[float, float | None, tuple[GroupStats, ...]], nbytes: int, *,
+            anchor: bool) -> StepStats:
+    where = f"{frame.reader.path} (step {frame.step})"
+    weight, update, groups = measured
+    if frame.entry is not None:
+        scalars = _scalars(frame.entry.extra, where)
+        lrs = _lrs(frame.entry.hyper, frame.entry.param_groups, scalars, where)
     else:
-        a = reader.state.anchors[step]
+        a = frame.reader.state.anchors[frame.step]
         scalars = _scalars(a.extra, where)
         lrs = _lrs(None, a.param_groups, scalars, where)
-    if anchor:
-        nbytes += reader.state.anchors[step].object.size
-    return StepStats(step=step, anchor=anchor, since=since, scalars=scalars, lrs=lrs, weight_norm=weight,
+    return StepStats(step=frame.step, anchor=anchor, since=frame.since, scalars=scalars, lrs=lrs, weight_norm=weight,
                      update_norm=update, relative_update=_ratio(update, weight) if update is not None else None,
                      groups=groups, bytes=nbytes)
 
@@ -523,14 +680,32 @@ def diff_states(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) ->
     return out
 
 
-def diff_steps(chain: str | ChainReader, step_a: int, step_b: int,
-               other: str | ChainReader | None = None) -> list[TensorDiff]:
-    """:func:`diff_states` of ``step_a`` of ``chain`` and ``step_b`` of ``other`` (default the same chain)."""
-    ra = chain if isinstance(chain, ChainReader) else ChainReader(chain)
-    rb = ra if other is None else other if isinstance(other, ChainReader) else ChainReader(other)
-    a = {n: t.clone() for n, t in ra.stored_tensors(step_a).items()}  # a replayer's own tensors
-    return diff_states(a, rb.stored_tensors(step_b))
+def diff_steps(chain: str | os.PathLike[str] | ChainReader | ShardedReader, step_a: int, step_b: int,
+               other: str | os.PathLike[str] | ChainReader | ShardedReader | None = None) -> list[TensorDiff]:
+    """:func:`diff_states` of ``step_a`` of ``chain`` and ``step_b`` of ``other`` (default the
+    same chain). A sharded chain's state is the full one (spec §20.4), by FQN."""
+    ra = chain if isinstance(chain, (ChainReader, ShardedReader)) else open_reader(chain)
+    rb = ra if other is None else other if isinstance(other, (ChainReader, ShardedReader)) else open_reader(other)
+    a = {n: t.clone() for n, t in stored_tensors(ra, step_a).items()}  # a replayer's own tensors
+    return diff_states(a, stored_tensors(rb, step_b))
+
+
+def stored_tensors(reader: ChainReader | ShardedReader, step: int) -> dict[str, torch.Tensor]:
+    """The tensors of ``step``'s state by stored name (spec §8): ``model/<FQN>`` and
+    ``optimizer/<i>/<key>``. A sharded chain's are the full tensors, assembled from the shards
+    (:meth:`ShardedReader.materialize`), under the names a plain chain of the same model has."""
+    if isinstance(reader, ChainReader):
+        return reader.stored_tensors(step)
+    state = reader.materialize(step)
+    schema = reader.ranks[0].root.schema
+    aliases = {e["name"] for e in schema["model"] if e.get("alias_of") is not None}
+    out = {f"model/{n}": t for n, t in state["model"].items() if n not in aliases and isinstance(t, torch.Tensor)}
+    for i, entry in state["optimizer"].get("state", {}).items():
+        if isinstance(entry, dict):
+            out.update({f"optimizer/{i}/{k}": v for k, v in entry.items() if isinstance(v, torch.Tensor)})
+    return out
 
 
 __all__ = ["GroupStats", "SPIKE_THRESHOLD", "SPIKE_WINDOW", "SpikeDetector", "StepStats", "TensorDiff",
-           "diff_states", "diff_steps", "diff_tensor", "group_of", "rollback_step", "step_history"]
+           "diff_states", "diff_steps", "diff_tensor", "group_of", "rollback_step", "step_history",
+           "stored_tensors"]

@@ -89,17 +89,20 @@ def local_shard(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def assemble(layout: Layout, pieces: Mapping[int, torch.Tensor], where: str,
-             region: tuple[Sequence[int], Sequence[int]] | None = None) -> torch.Tensor:
+             region: tuple[Sequence[int], Sequence[int]] | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
     """The global tensor, or the block ``region`` = (offsets, lengths) of it, from the ranks'
     local pieces. ``pieces`` must hold every rank whose shard overlaps the block
     (:func:`overlapping`); the layout covers every element (checked when it was parsed). Where
     shards overlap (replicated placements) the first listed wins, and validation compares the
-    copies (spec §20.4)."""
+    copies (spec §20.4). ``out``: a tensor of the block's shape and dtype to write it into
+    (a new one otherwise)."""
     from .jsonvalue import parse_dtype
 
     dtype = parse_dtype(layout.dtype)
     offsets, lengths = (tuple(0 for _ in layout.shape), layout.shape) if region is None else region
-    out = torch.empty(tuple(lengths), dtype=dtype)
+    if out is None or tuple(out.shape) != tuple(lengths) or out.dtype != dtype:
+        out = torch.empty(tuple(lengths), dtype=dtype)
     for shard in reversed(layout.shards):  # the first listed is written last, so it wins
         block = _intersection(shard, offsets, lengths)
         if block is None:

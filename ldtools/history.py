@@ -26,12 +26,10 @@ if TYPE_CHECKING:
     from ldformat.history import StepStats, TensorDiff
 
 
-def _plain_reader(chain: str, command: str) -> ldformat.ChainReader:
-    reader = ldformat.open_reader(chain)
-    if not isinstance(reader, ldformat.ChainReader):
-        raise UsageError(f"{chain}: a sharded chain; ldtools {command} reads one chain at a time: give one rank's "
-                         f"chain, e.g. {chain.rstrip('/')}/ranks/00000")
-    return reader
+def _reader(chain: str) -> ldformat.ChainReader | ldformat.ShardedReader:
+    """A plain chain's reader, or a sharded chain's (spec §20): its history and states are
+    those of the full tensors, by FQN."""
+    return ldformat.open_reader(chain)
 
 
 def _num(x: float | None, fmt: str = ".4g") -> str:
@@ -52,10 +50,10 @@ def _range_options(fn: Any) -> Any:
     return fn
 
 
-def _history(chain: str, first: int | None, last: int | None, depth: int, command: str) -> list[StepStats]:
+def _history(chain: str, first: int | None, last: int | None, depth: int) -> list[StepStats]:
     from ldformat.history import step_history
 
-    return list(step_history(_plain_reader(chain, command), first=first, last=last, depth=depth))
+    return list(step_history(_reader(chain), first=first, last=last, depth=depth))
 
 
 def rollback_advice(chain: str, history: list[StepStats]) -> dict[str, Any] | None:
@@ -90,12 +88,13 @@ def stats(chain: str, first: int | None, last: int | None, depth: int, show_grou
     same and Adam's exp_avg_sq, and the bytes the step took. Steps whose loss or relative
     update jumps (robust z-score above 3.5 over the 20 previous steps) are flagged, and the
     command that rolls back before the first flagged step is printed. Steps a compaction
-    removed are listed as absent.
+    removed are listed as absent. A sharded chain's rank chains replay side by side: the
+    numbers are those of the full tensors, by FQN (scalars and learning rates: rank 0's).
 
     \b
     Example: ldtools stats runs/chain --from 1000 --to 1200 --depth 2
     """
-    history = _history(chain, first, last, depth, "stats")
+    history = _history(chain, first, last, depth)
     advice = rollback_advice(chain, history)
     if as_json:
         _echo(json.dumps({"chain": chain, "steps": [s.to_dict() for s in history], "rollback": advice}, indent=1))
@@ -150,6 +149,7 @@ def diff(chain: str, step_a: int, step_b: int, other: str | None, show_all: bool
     For each tensor (model and optimizer, by stored name): max |a - b|, the relative norm
     |a - b| / |a|, the fraction of elements whose bits differ, and the first one that does
     (flat index). With --other, STEP_B is read from CHAIN2 (e.g. a rerun of the same model).
+    A sharded chain's tensors are the full ones, by FQN, as a plain chain of the model has them.
 
     \b
     Example: ldtools diff runs/chain 1200 1201
@@ -157,8 +157,8 @@ def diff(chain: str, step_a: int, step_b: int, other: str | None, show_all: bool
     """
     from ldformat.history import diff_steps
 
-    a = _plain_reader(chain, "diff")
-    b = _plain_reader(other, "diff") if other is not None else None
+    a = _reader(chain)
+    b = _reader(other) if other is not None else None
     diffs = diff_steps(a, step_a, step_b, b)
     if as_json:
         _echo(json.dumps({"a": {"chain": chain, "step": step_a}, "b": {"chain": other or chain, "step": step_b},
@@ -207,7 +207,7 @@ def plot(chain: str, out: Path, first: int | None, last: int | None, depth: int,
         _pyplot()  # before the replay: a missing matplotlib is known now
     refuse_existing_output(out, force, directory=False)
     check_output(out, "the plot")
-    history = _history(chain, first, last, depth, "plot")
+    history = _history(chain, first, last, depth)
     if suffix == ".png":
         size = write_output(out, "the plot", lambda f, _tmp: _write_png(f, chain, history))
     else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -372,6 +373,75 @@ def test_dcp_export_of_an_ordinary_chain_with_non_tensor_state(tmp_path: Path) -
         export_dcp(tmp_path / "chain", None, tmp_path / "dcp")
 
 
+# -- the flight recorder: stats, diff, plot (issue 31) ----------------------------------------------
+def _sq(t: torch.Tensor) -> float:
+    # The formula of ldformat.history; every tensor of the chain is below torch's parallel
+    # grain, so the sum is one thread's, as history computes it, whatever the thread count.
+    return float(torch.linalg.vector_norm(t)) ** 2
+
+
+def _groups(state: dict[str, Any], before: dict[str, Any] | None, names: list[str]) -> dict[str, list[float]]:
+    """Per module (depth 1): numel, |w|^2, |w - w_before|^2 and exp_avg_sq's sum of a full state."""
+    out: dict[str, list[float]] = {}
+    for i, n in enumerate(names):
+        w = state["model"][n]
+        a = out.setdefault(n.split(".")[0], [0, 0.0, 0.0, 0.0])
+        a[0] += w.numel()
+        a[1] += _sq(w)
+        if before is not None:
+            a[2] += _sq(torch.sub(w, before["model"][n]))
+        v = state["optimizer"]["state"].get(i, {}).get("exp_avg_sq")
+        a[3] += float(v.sum()) if v is not None else 0.0
+    return out
+
+
+def test_stats_measures_the_full_tensors(chain: Path, reader: ldformat.ShardedReader, names: list[str]) -> None:
+    """``ldtools stats`` on the sharded chain: the rank chains replay side by side and every step's
+    numbers are those of the full state materialize gives (groups by FQN, full sizes)."""
+    data = json.loads(invoke("stats", chain, "--json").stdout)
+    assert [s["step"] for s in data["steps"]] == reader.steps
+    before = None
+    for s in data["steps"]:
+        state = reader.materialize(s["step"])
+        want = _groups(state, before, names)
+        assert [g["name"] for g in s["groups"]] == list(want) == ["a", "b", "norm"]  # in optimizer order
+        for g in s["groups"]:
+            numel, w2, d2, v_sum = want[g["name"]]
+            assert (g["numel"], g["weight_norm"]) == (numel, math.sqrt(w2)), (s["step"], g["name"])
+            assert g["update_norm"] == (math.sqrt(d2) if before is not None else None), (s["step"], g["name"])
+            assert g["v_mean"] == (v_sum / numel if s["step"] else None), (s["step"], g["name"])
+        # LambdaLR 1 / (1 + s): step k used 1e-2 / k in both groups (step 0: the anchor's groups, step 1's)
+        assert s["lrs"] == [1e-2 * (1.0 / max(1, s["step"]))] * 2, s["step"]
+        assert s["anchor"] == (s["step"] % 3 == 0) and s["bytes"] > 0
+        before = state
+    assert want["a"][0] == 97 * 16 + 97  # the full a.weight and a.bias, not one rank's rows
+    text = invoke("stats", chain, "--from", 4, "--groups").stdout
+    assert text.splitlines()[1].startswith("4 ") and "  norm " in text and "no step flagged" in text
+    out = chain.parent / "history.html"
+    assert "8 steps" in invoke("plot", chain, "-o", out, "--force").stdout
+    assert out.read_text().count('class="cell"') == 3 * STEPS  # steps x modules; step 0 has no update
+
+
+def test_diff_compares_the_full_tensors(chain: Path, reader: ldformat.ShardedReader) -> None:
+    data = json.loads(invoke("diff", chain, 3, 4, "--json").stdout)
+    got = {t["name"]: t for t in data["tensors"]}
+    a, b = reader.materialize(3), reader.materialize(4)
+    assert {n for n in got if n.startswith("model/")} == {f"model/{n}" for n in a["model"]}
+    for n in a["model"]:
+        t, want_a, want_b = got[f"model/{n}"], a["model"][n], b["model"][n]
+        assert t["shape"] == list(want_a.shape), n  # full shapes: a.weight is [97, 16]
+        if t["status"] == "changed":
+            d = want_a.double() - want_b.double()
+            assert t["max_abs"] == float(d.abs().max()), n
+            assert t["changed_fraction"] == float((want_a != want_b).double().mean()), n
+        else:
+            assert t["status"] == "same" and torch.equal(want_a, want_b), n
+    assert got["model/a.weight"]["shape"] == [97, 16] and got["model/a.weight"]["status"] == "changed"
+    assert got["optimizer/0/exp_avg_sq"]["status"] == "changed"
+    same = json.loads(invoke("diff", chain, 5, 5, "--other", chain, "--json").stdout)
+    assert {t["status"] for t in same["tensors"]} == {"same"}
+
+
 # -- commands that change a chain ------------------------------------------------------------------
 def every_state(reader: ldformat.ShardedReader) -> dict[int, dict[str, Any]]:
     return {s: reader.materialize(s) for s in reader.steps}
@@ -410,6 +480,24 @@ def test_compact_keeps_the_same_steps_in_every_rank_chain(chain_copy: Path) -> N
     again = json.loads(invoke("compact", chain_copy, "--keep-last", 2, "--keep-every", 3, "--max-replay", 1,
                               "--json").stdout)
     assert not again["committed"] and again["removed_objects"] == [] and digest(chain_copy) == files
+
+
+def test_stats_of_a_compacted_chain_reports_removed_steps_absent(chain_copy: Path, names: list[str]) -> None:
+    before = every_state(ldformat.ShardedReader(chain_copy))
+    ldformat.compact(chain_copy, keep_last=2, keep_every=3, max_replay=1)
+    kept = ldformat.ShardedReader(chain_copy).steps
+    assert kept == [0, 3, 6, 7]
+    steps = json.loads(invoke("stats", chain_copy, "--json").stdout)["steps"]
+    assert [s["step"] for s in steps] == list(range(STEPS + 1))
+    for s in steps:
+        assert s["present"] == (s["step"] in kept), s["step"]
+        if not s["present"]:
+            assert s["groups"] == [] and s["update_norm"] is None and s["bytes"] == 0
+    at6 = steps[6]
+    assert at6["since"] == 3  # its update spans the removed steps 4 and 5
+    want = _groups(before[6], before[3], names)
+    assert at6["update_norm"] == math.sqrt(sum(a[2] for a in want.values()))
+    assert "absent (compacted)" in invoke("stats", chain_copy).stdout
 
 
 def test_compact_drops_pending_steps(chain_copy: Path) -> None:

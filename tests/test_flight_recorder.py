@@ -11,6 +11,7 @@ import math
 import shutil
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from click.testing import CliRunner
 from torch import nn
 
 import ldformat
+import ldformat.history
 from ldformat.errors import UsageError
 from ldformat.history import SPIKE_THRESHOLD, SpikeDetector, diff_steps, group_of, rollback_step, step_history
 from ldtools.cli import cli
@@ -149,6 +151,20 @@ def test_stats_equal_norms_of_live_states(recorded: dict[str, Any]) -> None:
         assert s.lrs == ((0.1,) if s.step in SPIKE else (1e-3,)), s.step
         assert s.loss == recorded["losses"][s.step]
         assert s.since == s.step - 1 and s.anchor == (s.step % 10 == 0)
+
+
+def test_a_pool_of_threads_measures_the_same_numbers(recorded: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters measured on a pool of threads (each reduction on one torch thread, the sums
+    added in parameter order) give the numbers of the calling thread, bit for bit."""
+    inline = [s.to_dict() for s in step_history(str(recorded["chain"]), depth=2)]
+    jobs: list[int] = []
+    with ThreadPoolExecutor(2) as pool:
+        submit = pool.submit
+        monkeypatch.setattr(pool, "submit", lambda *a, **k: jobs.append(1) or submit(*a, **k))
+        monkeypatch.setattr(ldformat.history, "POOL_MIN_NUMEL", 1)  # every parameter goes to the pool
+        monkeypatch.setattr(ldformat.history, "_measure_pool", lambda: pool)
+        assert [s.to_dict() for s in step_history(str(recorded["chain"]), depth=2)] == inline
+    assert len(jobs) == 4 * (STEPS + 1)  # four parameters a step
 
 
 def test_bytes_per_step_add_up_to_the_stored_objects(recorded: dict[str, Any]) -> None:
@@ -307,13 +323,24 @@ def _png_size_and_pixels(data: bytes) -> tuple[int, int, bytes]:
 
 
 def test_plot_png(tmp_path: Path, recorded: dict[str, Any]) -> None:
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib")  # an optional extra (ldformat[plots]): skipped without it
+    import numpy as np
+    from matplotlib.image import imread
+
     out = tmp_path / "history.png"
     result = CliRunner().invoke(cli, ["plot", str(recorded["chain"]), "-o", str(out)])
     assert result.exit_code == 0, result.output
     width, height, raw = _png_size_and_pixels(out.read_bytes())
     assert (width, height) == (1000, 1000)  # figsize (10, 10) at 100 dpi
-    assert len(set(raw)) > 20  # not blank: many distinct byte values
+    assert len(set(raw)) > 20
+    pixels = imread(out)[..., :3]  # RGB in [0, 1], decoded by Pillow
+    assert pixels.shape == (1000, 1000, 3)
+    # Not blank: the pixels vary, a good share of them is drawn (not white), and the heat map
+    # and the lines bring many colours.
+    assert pixels.std() > 0.1
+    assert 0.05 < (pixels.min(axis=2) < 0.9).mean() < 0.9
+    rgb = (pixels * 255).astype(np.uint32)
+    assert len(np.unique((rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2])) > 100
 
 
 def test_plot_png_without_matplotlib_says_how_to_get_it(tmp_path: Path, recorded: dict[str, Any],

@@ -168,7 +168,8 @@ def test_resume_checkpoint_is_none_without_a_chain(tmp_path: Path) -> None:
 
 def test_forwards_checkpointer_arguments(tmp_path: Path) -> None:
     cb = LdformatCallback(tmp_path / "chain", mode="lowdiff+", anchor_every=3, batch_steps=2, extra={"run": "a"})
-    _trainer(tmp_path / "out", cb, steps=7).train()
+    first = _trainer(tmp_path / "out", cb, steps=7)
+    first.train()
     reader = ChainReader(tmp_path / "chain")
     assert reader.kind == "grad.dense"
     assert reader.steps == list(range(8)) and reader.anchors == [0, 3, 6]
@@ -176,6 +177,22 @@ def test_forwards_checkpointer_arguments(tmp_path: Path) -> None:
     assert extra["user"]["run"] == "a" and extra["user"]["hf_trainer"]["state"]["global_step"] == 7
     assert extra["policy"]["batch_steps"] == 2
     assert cb.checkpointer is None  # closed at the end of training
+
+    # The flight recorder's scalars (spec §19.1), by default: the loss and grad_norm of the
+    # Trainer's log entries (every logging_steps=2 steps), and the lr every step used (linear
+    # schedule, 2 warmup steps, 7 steps in all: step k used 1e-3 * lambda(k - 1)) of the Trainer's
+    # two param groups (with and without weight decay): lr and lr/1.
+    logged = {e["step"]: e for e in first.state.log_history if "loss" in e}
+    assert sorted(logged) == [2, 4, 6]
+    for step in range(1, 8):
+        scalars = reader.extra(step)["scalars"]
+        k = step - 1
+        lr = pytest.approx(1e-3 * (k / 2 if k < 2 else (7 - k) / 5), rel=1e-12, abs=0)
+        assert (scalars.pop("lr"), scalars.pop("lr/1")) == (lr, lr), step
+        if step in logged:
+            assert scalars == {"loss": logged[step]["loss"], "grad_norm": logged[step]["grad_norm"]}, step
+        else:
+            assert scalars == {}, step
 
     # Resumed from the chain: the Checkpointer re-opens it at the step the Trainer resumed from.
     cb2 = LdformatCallback(tmp_path / "chain", mode="lowdiff+", anchor_every=3, batch_steps=2)

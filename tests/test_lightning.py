@@ -153,10 +153,36 @@ def fit(chain: Path, steps: int, model: L.LightningModule, **trainer_args: Any) 
     return cb
 
 
+class LossKeeper(TinyModule):
+    """TinyModule keeping the loss each training step returned."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__(dropout)
+        self.losses: list[float] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
 def test_continuing_with_more_steps_equals_one_fit(tmp_path: Path) -> None:
     L.seed_everything(0, verbose=False)
-    once = TinyModule(0.3)
+    once = LossKeeper(0.3)
     fit(tmp_path / "once", 14, once)
+    # The flight recorder's scalars (spec §19.1), by default: the loss training_step returned and
+    # the lr the step used (StepLR every 5 steps, gamma 0.7). xor's adaptive cadence may leave
+    # steps uncaptured on a slow machine: every step the chain holds has its own loss, and its lr
+    # unless it is the last one left uncaptured, which close() captures live (the runtime takes
+    # the lr from the hyperparameters it captures at optimizer.step(), for captured steps only).
+    reader = ldformat.ChainReader(tmp_path / "once")
+    kept = reader.steps
+    assert kept[0] == 0 and kept[-1] == 14 and len(once.losses) == 14
+    for step in kept[1:]:
+        scalars = reader.extra(step)["scalars"]
+        assert scalars["loss"] == once.losses[step - 1], step
+        if step != 14 or "lr" in scalars:
+            assert scalars["lr"] == pytest.approx(1e-2 * 0.7 ** ((step - 1) // 5), rel=1e-12, abs=0), step
     L.seed_everything(0, verbose=False)
     fit(tmp_path / "twice", 5, TinyModule(0.3))  # stops inside the first epoch
     L.seed_everything(0, verbose=False)

@@ -268,6 +268,56 @@ def test_chain_validates_deep(request: pytest.FixtureRequest, world: str, name: 
     assert result.exit_code == 0, f"ldtools validate --deep: exit {result.exit_code}:\n{result.output}"
 
 
+# The flight recorder (issue 31): FSDP with an empty shard and Adam's state, TP from the stored
+# optimizer tensors (xor), HSDP with copy ranks.
+HISTORY_CASES = [("w2", "fsdp-lowdiffp"), ("w2", "tp-xor"), ("w4", "hsdp-lowdiffp")]
+
+
+@pytest.mark.parametrize(("world", "name"), HISTORY_CASES, ids=[f"{w}-{n}" for w, n in HISTORY_CASES])
+def test_history_measures_the_full_live_tensors(request: pytest.FixtureRequest, world: str, name: str) -> None:
+    """``step_history`` of a sharded chain replays the rank chains side by side and measures the
+    full tensors (by FQN, assembled from the shards; a copy rank's from its source): every number
+    of every step equals the formula applied to the gathered live state, exactly. (Every tensor
+    is below torch's parallel grain: its sums are one thread's whatever the thread count.)"""
+    from ldformat.history import group_of, step_history
+
+    launch = _launch(request, world)
+    reader = ldformat.open_reader(launch.chain(name))
+    assert isinstance(reader, ldformat.ShardedReader)
+    params = list(reader.ranks[0].root.schema["optimizer"]["params"])
+    live = launch.record(name)["steps"]
+    history = list(step_history(reader))
+    assert [s.step for s in history] == list(range(STEPS + 1))
+
+    def sq(t: torch.Tensor) -> float:
+        return float(torch.linalg.vector_norm(t)) ** 2
+
+    for s in history:
+        state, before = live[s.step], live.get(s.step - 1)
+        want: dict[str, list[float]] = {}  # numel, w^2, dw^2, v sum, v max, v numel
+        for n in params:
+            w = state["model"][n]
+            a = want.setdefault(group_of(n, 1), [0, 0.0, 0.0, 0.0, -np.inf, 0])
+            a[0] += w.numel()
+            a[1] += sq(w)
+            if before is not None:
+                a[2] += sq(torch.sub(w, before["model"][n]))
+            v = state["optimizer"]["state"].get(n, {}).get("exp_avg_sq")
+            if v is not None:
+                a[3] += float(v.sum())
+                a[4] = max(a[4], float(v.max()))
+                a[5] += v.numel()
+        assert [g.name for g in s.groups] == list(want), s.step
+        for g in s.groups:
+            a = want[g.name]
+            where = f"step {s.step} group {g.name}"
+            assert (g.numel, g.weight_norm) == (a[0], np.sqrt(a[1])), where
+            assert g.update_norm == (np.sqrt(a[2]) if before is not None else None), where
+            assert (g.v_mean, g.v_max) == ((a[3] / a[5], a[4]) if a[5] else (None, None)), where
+        assert s.weight_norm == np.sqrt(sum(a[1] for a in want.values()))
+        assert s.anchor == (s.step % 4 == 0) and s.bytes > 0
+
+
 # -- 3: resume at another world size or mesh ------------------------------------------------------------
 RESUMES = [  # (launch of the resumed run, run, launch of the chain, chain run, step)
     ("w1", "r21-fsdp", "w2", "fsdp-xor", STEPS),
