@@ -40,12 +40,15 @@ SKIPPED = {5, 9}  # GradScaler skips these (an inf gradient)
 
 
 def train(model: TinyNet, opt: torch.optim.Optimizer, sched: Any, scaler: Any, steps: range,
-          refs: dict[int, Any] | None = None) -> None:
+          refs: dict[int, Any] | None = None, ck: ldformat.Checkpointer | None = None) -> None:
     for step in steps:
         model.train()
         x, y = batch(step)
         opt.zero_grad(set_to_none=True)
-        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if ck is not None:
+            ck.log(loss=loss, step=step)
+        scaler.scale(loss).backward()
         if step in SKIPPED:
             grad = model.hidden.weight.grad
             assert grad is not None
@@ -74,7 +77,7 @@ def test_every_third_step_is_exact_and_resumes_exactly(tmp_path: Path, name: str
                                 "scaler": scaler.state_dict()}}
     ck = ldformat.Checkpointer(path, model, opt, scheduler=sched, scaler=scaler, anchor_every=7, batch_steps=2,
                                options=CaptureOptions(capture_every=3))
-    train(model, opt, sched, scaler, range(1, 15), refs)
+    train(model, opt, sched, scaler, range(1, 15), refs, ck)
     assert ck.capture_every == 3 and ck.stats.steps == 14
     ck.close()  # the live state (step 14) is captured: the chain ends where training did
     reader = ChainReader(path)
@@ -87,6 +90,9 @@ def test_every_third_step_is_exact_and_resumes_exactly(tmp_path: Path, name: str
         assert got["extra"]["scheduler"] == refs[step]["scheduler"]
         assert got["extra"]["scaler"] == refs[step]["scaler"]
         assert step == 0 or got["extra"]["policy"]["capture_every"] == 3
+        if step:  # the scalars logged for the step, and its learning rate (close() captured step 14)
+            assert got["extra"]["scalars"]["step"] == step and "loss" in got["extra"]["scalars"]
+            assert step in SKIPPED or "lr" in got["extra"]["scalars"], got["extra"]["scalars"]
     assert ldformat.validate(path).ok
     with pytest.raises(StepNotFoundError, match=r"step 4 is not in the chain.*nearest committed steps are 3 and 6"):
         reader.materialize(4)

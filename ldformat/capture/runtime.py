@@ -65,7 +65,7 @@ from .ddp import (
     peer_residual_tensors,
     world_size,
 )
-from .extra import MAX_SCALARS, Stateful, check_scalars, loop_extra, step_lrs
+from .extra import MAX_LR_GROUPS, MAX_SCALARS, Stateful, check_scalars, loop_extra, step_lrs
 from .hooks import Hooks, open_at_exit
 from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location, Mirror
 from .options import CaptureOptions
@@ -488,6 +488,8 @@ class Checkpointer:
         self._after_capture = True  # whether the step of the interval now running was captured
         self._background_mark = (0.0, False)  # the background's busy seconds and activity at the last pre-hook
         self._last_queued_at: float | None = None
+        self._skipped_scalars: dict[str, float] = {}  # the last uncaptured step's, if close() captures it
+        self._skipped_lrs: list[object] = []
         self._last_anchor = max([a for a in self.writer.anchors if a <= self._step], default=self._step)
         if data_parallel and self._rank_extras is not None:
             self._rank_extras.announce_start(self._step, anchor_every if isinstance(anchor_every, int) else None)
@@ -647,6 +649,8 @@ class Checkpointer:
             if self._pending is not None:
                 self._finalize()  # the previous step, which no scheduler or scaler call closed
             if not self._begin_step():
+                # Kept by reference (no copy, no GPU sync) in case close() captures this step.
+                self._skipped_lrs = [group.get("lr") for group in optimizer.param_groups[:MAX_LR_GROUPS]]
                 self.stats.stall_s += time.perf_counter() - started
                 return None
             self._stage_buffers()
@@ -674,6 +678,7 @@ class Checkpointer:
         """Whether the step about to run is captured (:mod:`.cadence`); if not, it runs as ``_skipping``."""
         step = self._step + 1
         self._uncaptured_end = None
+        self._skipped_scalars, self._skipped_lrs = {}, []
         self._after_capture = self.cadence.due(step)
         if self._after_capture:
             self.cadence.captured(step)
@@ -686,7 +691,8 @@ class Checkpointer:
         step = self._skipping if self._skipping is not None else self._step + 1
         self._skipping = None
         self._uncaptured_end = self._step = step
-        self._scalars = {}  # logged for a step the chain does not hold
+        # Logged for a step the chain does not hold, unless close() or flush() captures it.
+        self._skipped_scalars, self._scalars = self._scalars, {}
         self.stats.steps += 1
 
     def _account_interval(self, seconds: float) -> None:
@@ -928,6 +934,10 @@ class Checkpointer:
         self._pending = _Pending(step=self._step, buffers=buffers, stepped=True)
         self.cadence.captured(self._step)
         self._capture_after_step(self._pending)
+        lrs = {("lr" if g == 0 else f"lr/{g}"): float(lr) for g, lr in enumerate(self._skipped_lrs)
+               if isinstance(lr, (int, float)) and not isinstance(lr, bool)
+               or isinstance(lr, torch.Tensor) and lr.numel() == 1}
+        self._scalars = {**lrs, **self._skipped_scalars, **self._scalars}  # the step's, as if it had been captured
         self._finalize()
 
     def _committed_all(self) -> None:
