@@ -180,18 +180,18 @@ def test_slow_steps_keep_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     model, opt, _, _ = objects("adamw")
     ck = ldformat.Checkpointer(path, model, opt)
     ks = []
-    for step in range(1, 21):
+    for step in range(1, 15):
         x, y = batch(step)
         opt.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
-        time.sleep(0.2)  # a slow step: capturing this small state costs far less than 3.5 % of it
+        time.sleep(0.5)  # a slow step: capturing this small state costs far less than 3.5 % of it
         opt.step()
         ks.append(ck.capture_every)
     assert set(ks) == {1} and ck.stats.overhead is not None and ck.stats.overhead <= 0.035
     assert ck.stats.seconds_at_risk < 30
     ck.close()
     # At most one probe of the step time without checkpointing: a few consecutive steps not captured.
-    missing = sorted(set(range(21)) - set(ChainReader(path).steps))
+    missing = sorted(set(range(15)) - set(ChainReader(path).steps))
     assert len(missing) <= cadence.PROBE_STEPS and missing == list(range(missing[0], missing[0] + len(missing))) \
         if missing else True, missing
 
