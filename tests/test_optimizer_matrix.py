@@ -237,7 +237,8 @@ def run_case(entry: Entry, mode: str, root: Path, config: Config) -> Outcome:
     try:
         ck = ldformat.Checkpointer(str(path), model, opt, mode=mode,  # type: ignore[arg-type]
                                    anchor_every=config.anchor_every, batch_steps=config.batch_steps,
-                                   topk_ratio=0.25)
+                                   topk_ratio=0.25,
+                                   options=ldformat.CaptureOptions(capture_every=1))  # every step is compared
     except Exception as e:
         out.ldformat_error = isinstance(e, ldformat.LdformatError)
         left = _leftovers(path)
