@@ -51,7 +51,7 @@ def run(path: Path, device: str, target: str | None, point: str | None, steps: i
     model = TinyNet().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     refs = {0: on_cpu(snapshot(model, opt))}
-    ck = ldformat.Checkpointer(path, model, opt, options=CaptureOptions(capture_every=1))
+    ck = ldformat.Checkpointer(path, model, opt, options=CaptureOptions(capture_every=1, lazy_snapshot=True))
     for step in range(1, steps + 1):
         now = step - 1 == EDITED_STEP and target is not None  # edits the window after EDITED_STEP
         x, y = (t.to(device) for t in batch(step))

@@ -40,7 +40,9 @@ class CaptureOptions:
         lazy_snapshot: ``xor`` copies a step's parameters and optimizer state while the
             next step's forward and backward run, and fences them at its optimizer step
             (docs/capture-runtime.md "Lazy snapshot"); ``False`` copies them before
-            ``optimizer.step()`` returns.
+            ``optimizer.step()`` returns. Default (``None``): on for a model on CUDA, off
+            on the CPU, where a memory copy costs less than the bookkeeping that defers it
+            (benchmarks/results/lazy_snapshot.md).
         anchor_every, batch_steps, max_stall, mtbf_hours, queue_depth, max_batch_bytes,
             encode_threads, stage_during_backward: as the :class:`~ldformat.Checkpointer`
             keywords of the same names (``None``: that keyword's default).
@@ -49,7 +51,7 @@ class CaptureOptions:
     max_overhead: float = DEFAULT_MAX_OVERHEAD
     capture_every: Every = "auto"
     max_lost_s: float | None = None
-    lazy_snapshot: bool = True
+    lazy_snapshot: bool | None = None
     anchor_every: Every | None = None
     batch_steps: Every | None = None
     max_stall: float | None = None

@@ -437,7 +437,8 @@ class Checkpointer:
         self.stager = Stager(device)
         self.pool = BufferPool(queue_depth + 1, pin=self._cuda)
         self._lazy = LazySnapshots(self.stager)
-        self._lazy.enabled = mode == "xor" and options.lazy_snapshot
+        lazy = options.lazy_snapshot if options.lazy_snapshot is not None else self._cuda  # measured on CPU: a loss
+        self._lazy.enabled = mode == "xor" and lazy
         self._pending: _Pending | None = None
         self._last_pre: float | None = None
         self._last_step_bytes = 0
