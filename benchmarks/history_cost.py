@@ -1,4 +1,4 @@
-"""What ``ldtools stats`` costs against ``materialize`` of the chain's last step (issue 31).
+"""What ``ldtools stats`` costs against ``materialize`` of the chain's last step.
 
 ``ldformat.history.step_history`` replays the range once and measures every step on the way
 (update and weight norms per group, Adam's ``exp_avg_sq``); ``materialize`` of the last step
@@ -111,7 +111,7 @@ def main() -> None:
                         f"{min(mc):.2f} / {min(sc):.2f} | {min(sc) / min(mc):.2f} |")
             print(rows[-1], flush=True)
     text = "\n".join([
-        "# `ldtools stats` against `materialize` of the last step (issue 31)",
+        "# `ldtools stats` against `materialize` of the last step",
         "",
         f"`python -m benchmarks.history_cost --steps {args.steps} --params {args.params} --reps {args.reps}"
         f"{'' if args.threads is None else f' --threads {args.threads}'}`",

@@ -1,4 +1,4 @@
-"""Where materialize's time goes: grad.dense and state.xor, anchor + K deltas (issue 13, item 3).
+"""Where materialize's time goes: grad.dense and state.xor, anchor + K deltas.
 
     python -m benchmarks.materialize_profile            # gpt-30m (29.5M parameters), K=10
     python -m benchmarks.materialize_profile --quick    # gpt-3m, a few seconds a run

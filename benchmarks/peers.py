@@ -192,7 +192,13 @@ class LdformatConfig(Config):
         self.trainer.step()  # the optimizer hooks capture the step
 
     def drain(self) -> None:
-        # Wait for the background writer without forcing a commit of a partial batch.
+        # Wait for the background writer without forcing a commit of a partial batch. xor's lazy
+        # snapshot (docs/capture-runtime.md "Lazy snapshot") keeps the writer waiting for the last
+        # step's fence, which only the next optimizer pre-hook (or flush) runs: fence it first, or
+        # the join never returns.
+        lazy = getattr(self.ck, "_lazy", None)
+        if lazy is not None:
+            lazy.fence()
         q = getattr(self.ck, "_queue", None)
         if q is not None:
             q.join()

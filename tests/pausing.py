@@ -1,4 +1,4 @@
-"""Deterministic pauses for the fencing tests (issue 27; spec §7.5, §15.3, §15.4, §17).
+"""Deterministic pauses for the fencing tests (spec §7.5, §15.3, §15.4, §17).
 
 A paused writer stands for a process stopped by SIGSTOP, a long GC pause, swapping, a VM
 migration or a stuck NFS client. :class:`PausingStore` wraps a store and blocks the thread
@@ -20,7 +20,7 @@ The rest is what the checks need:
 - :class:`Session`: one writer with its own model and optimizer, reporting to the ledger;
 - :func:`run_trial`: one pause of A at one point of one phase (open, commit, renewal,
   snapshot, close, compaction, truncation), one interleaving of the others (commit and close,
-  lease renewal, compaction, writer snapshots), then every check of issue 27.
+  lease renewal, compaction, writer snapshots), then every fencing check.
 
 Run as a script it is the child writer of the subprocess tests (PID namespaces, leases).
 """
@@ -380,7 +380,7 @@ class Ledger:
 
 
 def check_ledger(ledger: Ledger, path: str, store: Store) -> list[str]:
-    """Every standing report materializes bit-exactly (issue 27: 0 lost, 0 false durable)."""
+    """Every standing report materializes bit-exactly (0 lost, 0 false durable)."""
     problems: list[str] = []
     reader = ChainReader(path, store=store)
     for r in ledger.standing():
@@ -988,7 +988,7 @@ class _Trial:
 def run_trial(env: Env, phase: str, interleaving: str, point: PausePoint | None,
               shape: Shape = Shape()) -> TrialResult:
     """Pause A (in a thread) at ``point`` of ``phase``, let the others do ``interleaving``,
-    release A, then check everything issue 27 asks; ``point`` None: a reference run that
+    release A, then check every fencing invariant; ``point`` None: a reference run that
     only records A's calls."""
     result = TrialResult(env.kind, phase, interleaving, str(point) if point is not None else "reference")
     started = time.monotonic()
@@ -1054,7 +1054,7 @@ def summarize(results: Sequence[TrialResult]) -> str:
     """The violating trials, worst first, with counts by class (unsafe, error, harness)."""
     bad = [r for r in results if r.violations]
     counts = {c: sum(1 for r in bad if any(x.startswith(c) for x in r.violations)) for c in (UNSAFE, ERROR, HARNESS)}
-    lines = [f"{len(bad)} of {len(results)} trials violate issue 27's invariants ("
+    lines = [f"{len(bad)} of {len(results)} trials violate the fencing invariants ("
              + ", ".join(f"{n} {c[:-1]}" for c, n in counts.items()) + ")"]
     bad.sort(key=lambda r: not any(x.startswith(UNSAFE) for x in r.violations))
     for r in bad[:25]:

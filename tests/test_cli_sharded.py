@@ -373,7 +373,7 @@ def test_dcp_export_of_an_ordinary_chain_with_non_tensor_state(tmp_path: Path) -
         export_dcp(tmp_path / "chain", None, tmp_path / "dcp")
 
 
-# -- the flight recorder: stats, diff, plot (issue 31) ----------------------------------------------
+# -- the flight recorder: stats, diff, plot ------------------------------------------------------
 def _sq(t: torch.Tensor) -> float:
     # The formula of ldformat.history; every tensor of the chain is below torch's parallel
     # grain, so the sum is one thread's, as history computes it, whatever the thread count.

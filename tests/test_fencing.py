@@ -1,4 +1,4 @@
-"""Fencing that holds under pauses (issue 27; spec §7.5, §7.7, §15.2-§15.6, §17).
+"""Fencing that holds under pauses (spec §7.5, §7.7, §15.2-§15.6, §17).
 
 A writer paused at any store call (SIGSTOP, a GC pause, swapping, a VM migration), then
 superseded by another holder, must never delete what a newer holder wrote, never report a

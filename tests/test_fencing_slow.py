@@ -1,4 +1,4 @@
-"""The exhaustive pause sweep of issue 27 (``pytest -m slow tests/test_fencing_slow.py``).
+"""The exhaustive pause sweep of the fencing tests (``pytest -m slow tests/test_fencing_slow.py``).
 
 A pauses before each store call it makes (found by a reference run of the same phase, one
 point per call: by primitive, path with its random part as ``*``, and count; the reads of a

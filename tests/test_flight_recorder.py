@@ -1,4 +1,4 @@
-"""The flight recorder (issue 31): Checkpointer.log, ldformat.history, ldtools stats/diff/plot.
+"""The flight recorder: Checkpointer.log, ldformat.history, ldtools stats/diff/plot.
 
 Every number stats prints is checked against the same formula applied to live states saved
 during training: the replayed states are bit-identical, so the numbers are equal, not close.

@@ -268,7 +268,7 @@ def test_chain_validates_deep(request: pytest.FixtureRequest, world: str, name: 
     assert result.exit_code == 0, f"ldtools validate --deep: exit {result.exit_code}:\n{result.output}"
 
 
-# The flight recorder (issue 31): FSDP with an empty shard and Adam's state, TP from the stored
+# The flight recorder: FSDP with an empty shard and Adam's state, TP from the stored
 # optimizer tensors (xor), HSDP with copy ranks.
 HISTORY_CASES = [("w2", "fsdp-lowdiffp"), ("w2", "tp-xor"), ("w4", "hsdp-lowdiffp")]
 
