@@ -40,6 +40,7 @@ WARMUP_S = 10.0  # ... nor is k moved in the first seconds of training (allocato
 PROBE_STEPS = 3
 REPROBE_S = 60.0
 BASELINE_SAMPLES = 32
+PAUSE = 3.0  # a clean interval this many times the median is a pause, not a step
 MAX_EVERY = 1_000_000
 COMMIT_SHARE = 0.25  # the share of the budget automatic commit batches may use
 
@@ -99,8 +100,14 @@ class Cadence:
     @property
     def tau0(self) -> float | None:
         """The step time without checkpointing: the mean of recent clean intervals (a mean, not a
-        median: the cost is time above ``n * tau0`` summed over a window, and step times are skewed)."""
-        return statistics.fmean(s for _, s in self._baseline) if self._baseline else None
+        median: the cost is time above ``n * tau0`` summed over a window, and step times are
+        skewed), leaving out those over :data:`PAUSE` times their median (a pause between steps,
+        such as an evaluation, is not a step)."""
+        if not self._baseline:
+            return None
+        seconds = [s for _, s in self._baseline]
+        bound = PAUSE * statistics.median(seconds)
+        return statistics.fmean(s for s in seconds if s <= bound)
 
     def _fresh_baseline(self, now: float) -> bool:
         return bool(self._baseline) and now - self._baseline[-1][0] <= REPROBE_S
