@@ -144,13 +144,15 @@ class AdaptiveLdformat(LdformatConfig):
         runtime's previous pre-hook time (a private attribute; nothing else changes) leaves that one
         interval unmeasured, as the first interval after opening is.
 
-        Still needed with the runtime that caps a window's cost at its stall plus the background's CPU
-        time: a gap that follows an uncaptured step, with the writer idle, is a *clean* interval, and
-        the runtime's step time without checkpointing (``tau0``, a mean of recent clean intervals)
-        takes it in. Without this reset (``--no-gap-reset``, results/interval_no_gap_reset/) the
-        first step after every gap cut k by 4 and k fell to 1 within that window, every other window
-        ran at k = 1 (+110 to +190 % step time), and the runtime's own overhead estimate read 0.3 %
-        against 16.5 % measured."""
+        Still needed. The runtime takes a decision window's cost to be its time above ``n * tau0``,
+        capped at its stall plus the background's CPU time; a gap makes that excess far larger than
+        the cap, so the cap becomes the cost: a drained commit or anchor write charged to the
+        window's one or two captures. Without this reset (``--no-gap-reset``, results/interval_no_gap_reset/, commit
+        1ba1dbf) k went from 174 to 2380 at the first step after a gap that followed a window with
+        3.45 s of background CPU (3.469 s per capture) and stayed there: every later decision came at
+        the first step after a gap, with no capture in its window, and moves nothing. (Before commit
+        2eacd28 the gap also entered ``tau0``, the mean of clean intervals: k fell to 1 in every other
+        window, and the runtime's overhead estimate read 0.3 % against 16.5 % measured.)"""
         if self.gap_reset and hasattr(self.ck, "_last_pre"):
             self.ck._last_pre = None
             self.gaps_reset += 1
@@ -639,10 +641,11 @@ def render(doc: dict[str, Any]) -> str:
                    "ldformat timed the intervals spanning the other configurations' windows as steps "
                    "(`--no-gap-reset`).")
             if res.get("ldformat_gap_reset"):
-                gap += (" Still needed: such an interval, after an uncaptured step with the writer idle, is clean "
-                        "to the runtime and enters its step time without checkpointing (`tau0`, a mean), so it "
-                        "reads a small overhead and lowers k; a run without the reset (`--no-gap-reset`, "
-                        "`interval_no_gap_reset/interval.md`) fell to k = 1 in every other window.")
+                gap += (" Still needed: a decision window spanning such a gap measures far more than the runtime's "
+                        "cap on the cost (its stall plus the background's CPU time), so the cap becomes the cost; "
+                        "a run without the reset (`--no-gap-reset`, `interval_no_gap_reset/interval.md`) went to "
+                        "k = 2380 after one gap (3.47 s per capture: a window's drained background work) and "
+                        "stayed there.")
             src = f"; ldformat from commit {res['ldformat_source']}" if res.get("ldformat_source") else ""
             lines += [f"Command: `{res['command']}` ({res['mode']} mode{src})", "", report_workload(res), "", gap, ""]
     lines += [
@@ -670,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="verification rounds at most")
     parser.add_argument("--no-gap-reset", action="store_true",
                         help="let ldformat time the interval spanning the other configurations' windows as a step "
-                             "(it then enters the runtime's tau0 as a clean interval: see AdaptiveLdformat.forget_gap)")
+                             "(the runtime then charges a window's capped cost to it: see AdaptiveLdformat.forget_gap)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory (default benchmarks/results, --quick: benchmarks/results/quick)")
     parser.add_argument("--workdir", type=Path, default=None,
