@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 
+from .peers import drain_writer
 from .stats import fmt_ci, human_bytes, median, public_command, summary, table, verdict
 from .workload import (
     FAST_WORKLOAD,
@@ -251,14 +252,7 @@ class Config:
         """Fence the open snapshot (else the writer waits for the next pre-hook) and wait for the writer."""
         t0 = time.perf_counter()
         if self.ck is not None:
-            lazy = getattr(self.ck, "_lazy", None)
-            if lazy is not None:
-                lazy.fence()
-            q = getattr(self.ck, "_queue", None)
-            if q is not None:
-                q.join()
-            else:  # pragma: no cover - private attribute renamed
-                self.ck.flush()
+            drain_writer(self.ck)
         return time.perf_counter() - t0
 
     def close(self) -> None:

@@ -40,6 +40,22 @@ import torch
 from .workload import ModelSize, Trainer
 
 
+def drain_writer(ck: Any) -> None:
+    """Wait for a Checkpointer's background writer without forcing a commit of a partial batch.
+
+    xor's lazy snapshot (docs/capture-runtime.md "Lazy snapshot") keeps the writer waiting for the
+    last step's fence, which only the next optimizer pre-hook (or flush) runs: fence it first, or
+    the join never returns. Reaches private attributes: the runtime has no public drain."""
+    lazy = getattr(ck, "_lazy", None)
+    if lazy is not None:
+        lazy.fence()
+    q = getattr(ck, "_queue", None)
+    if q is not None:
+        q.join()
+    else:  # pragma: no cover - private attribute renamed
+        ck.flush()
+
+
 def fsync_file(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -192,18 +208,7 @@ class LdformatConfig(Config):
         self.trainer.step()  # the optimizer hooks capture the step
 
     def drain(self) -> None:
-        # Wait for the background writer without forcing a commit of a partial batch. xor's lazy
-        # snapshot (docs/capture-runtime.md "Lazy snapshot") keeps the writer waiting for the last
-        # step's fence, which only the next optimizer pre-hook (or flush) runs: fence it first, or
-        # the join never returns.
-        lazy = getattr(self.ck, "_lazy", None)
-        if lazy is not None:
-            lazy.fence()
-        q = getattr(self.ck, "_queue", None)
-        if q is not None:
-            q.join()
-        else:  # pragma: no cover - private attribute renamed
-            self.ck.flush()
+        drain_writer(self.ck)
 
     def counters(self) -> dict[str, float]:
         st = self.ck.stats
