@@ -215,3 +215,83 @@ def test_gradient_mode_over_budget_says_so_once(tmp_path: Path, monkeypatch: pyt
     warnings = [r.getMessage() for r in caplog.records if "over the" in r.getMessage()]
     assert len(warnings) == 1 and "mode='xor'" in warnings[0], warnings
     assert ChainReader(tmp_path / "chain").steps == list(range(41))  # a gradient mode still records every step
+
+
+class Clock:
+    """A monotonic clock the simulated steps advance (the cadence's decisions, without timing noise)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class Simulated:
+    """Step intervals as the runtime reports them to a :class:`cadence.Cadence`, from a model of
+    the training: steps of ``tau0`` seconds, a capture that stalls the training thread ``stall``
+    seconds and keeps the background writer busy ``busy`` CPU seconds on a spare core (it does
+    not slow the steps), and pauses between steps."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, every: int, budget: float = 0.035) -> None:
+        self.clock = Clock()
+        monkeypatch.setattr(cadence, "time", self.clock)
+        self.c = cadence.Cadence(CaptureOptions(max_overhead=budget), adaptive=True, last_captured=0,
+                                 max_lost_s=1e9)
+        self.c.every = every
+        self.step, self.stall_s, self.busy_s, self.after = 0, 0.0, 0.0, False
+        self.started = False
+        self.ks: list[int] = []
+
+    def run(self, steps: int, tau0: float, stall: float, busy: float = 0.0, pause_every: int = 0,
+            pause_s: float = 0.0) -> list[int]:
+        for _ in range(steps):
+            seconds = tau0 + (stall if self.after else 0.0)
+            if self.after:
+                self.stall_s += stall
+                self.busy_s += busy
+            elif pause_every and self.step % pause_every == 0:
+                seconds += pause_s  # an evaluation after an uncaptured step: no checkpointing work in it
+            if self.started:
+                self.clock.now += seconds
+                self.c.interval(seconds, after_capture=self.after, clean=not self.after,
+                                stall_s=self.stall_s, background_s=self.busy_s)
+            self.started = True
+            self.step += 1
+            self.after = self.c.due(self.step)
+            if self.after:
+                self.c.captured(self.step)
+            self.ks.append(self.c.every)
+        return self.ks
+
+
+def test_a_large_interval_falls_back_when_captures_are_cheap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Captures far apart (200 s, beyond the longest window): their cost is still measured, and k falls."""
+    sim = Simulated(monkeypatch, every=2000)
+    ks = sim.run(20_000, tau0=0.1, stall=0.001)  # 200 s between captures, each costing 1 % of a step
+    assert ks[-1] == 1, f"k must fall back to 1: {sorted(set(ks), reverse=True)}"
+    assert sim.c.overhead is not None and sim.c.overhead <= 0.035
+
+
+def test_one_quiet_window_does_not_undo_a_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Raised at once; lowered only when several windows in a row agree."""
+    sim = Simulated(monkeypatch, every=1)
+    ks = sim.run(400, tau0=0.01, stall=0.05)  # a capture costs 5 steps: 500 % at k = 1
+    raised = ks[-1]
+    assert raised >= int(0.05 / (0.035 * 0.01)), ks[::20]
+    decisions = sim.c.decisions
+    sim.run(1, tau0=0.01, stall=0.0)
+    while sim.c.decisions == decisions:  # one window of free captures
+        sim.run(1, tau0=0.01, stall=0.0)
+    assert sim.c.every == raised, "one quiet window lowered k"
+    ks = sim.run(raised * 2 * (cadence.LOWER_AFTER + 2), tau0=0.01, stall=0.0)
+    assert ks[-1] <= raised // 4, f"k stays at {ks[-1]} although captures are free"
+
+
+def test_pauses_between_steps_are_not_a_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A background writer busy on a spare core and evaluations between steps: the cost is the stall."""
+    monkeypatch.setattr(cadence, "WARMUP_S", 0.0)
+    sim = Simulated(monkeypatch, every=4)
+    # A 2 % stall at k = 4, where it stays; the background's CPU time, if it all came out of training, 14.5 %.
+    ks = sim.run(2_000, tau0=0.1, stall=0.008, busy=0.05, pause_every=50, pause_s=30.0)
+    assert max(ks) == 4 and ks[-1] <= 4, f"a pause was taken for checkpointing's cost: k {sorted(set(ks))}"

@@ -9,6 +9,10 @@ background work inflicted; never more than the stall plus the background's CPU t
 pause between steps or noise is not taken for it), ``C`` per capture. Capturing every ``k``-th step costs
 ``C / (k * tau0)``; the runtime keeps the smallest ``k`` for which that is within
 :data:`TARGET` of the budget once it went over (CheckFreq, section 4.3, with the capture interval as the knob).
+It raises ``k`` on one window over the budget, and lowers it only when :data:`LOWER_AFTER`
+windows in a row agree. A window lasts until it holds a capture (its cost is per capture),
+and an interval longer than :data:`PAUSE` steps beyond what checkpointing could have taken
+of it (a pause between steps) counts as one step plus that.
 
 Clean intervals come for free once ``k > 1``. At ``k = 1`` none exist; there the stall plus
 the background writer's CPU time bounds the cost from above (the background cannot take more
@@ -41,6 +45,7 @@ PROBE_STEPS = 3
 REPROBE_S = 60.0
 BASELINE_SAMPLES = 32
 PAUSE = 3.0  # a clean interval this many times the median is a pause, not a step
+LOWER_AFTER = 3  # consecutive decisions that must all find a smaller k before k is lowered
 MAX_EVERY = 1_000_000
 COMMIT_SHARE = 0.25  # the share of the budget automatic commit batches may use
 
@@ -78,6 +83,8 @@ class Cadence:
     _baseline: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=BASELINE_SAMPLES))
     _window: _Window | None = None
     _probe_left: int = 0
+    _lower: list[int] = field(default_factory=list)  # the smaller k each recent decision wanted
+    _marks: tuple[float, float] = (0.0, 0.0)  # the stall and background counters at the last interval
     _seen: int = 0
     _first: float | None = None
     _warned: bool = False
@@ -120,12 +127,19 @@ class Cadence:
         stall and the background writer's CPU seconds now."""
         now = time.monotonic()
         self._seen += 1
+        stalled, busy = stall_s - self._marks[0], background_s - self._marks[1]
+        self._marks = (stall_s, background_s)
         if self._first is None:
             self._first = now
         if self._seen <= WARMUP_INTERVALS:
             return
         if clean:
             self._baseline.append((now, seconds))
+        tau0 = self.tau0
+        if tau0 is not None and seconds > PAUSE * tau0 + stalled + busy:
+            # A pause between steps (an evaluation, a data stall): checkpointing can have taken at
+            # most its stall and the background's CPU time of it, so only that and one step count.
+            seconds = tau0 + stalled + busy
         if not self.adaptive and self._warned:
             return
         w = self._window
@@ -141,6 +155,8 @@ class Cadence:
         if self._probe_left > 0 or w.intervals < WINDOW_STEPS or elapsed < WINDOW_S or (
                 w.captures < WINDOW_CAPTURES and elapsed < MAX_WINDOW_S):
             return
+        if self.adaptive and w.captures == 0:
+            return  # the cost per capture needs a capture: the window goes on until it holds one
         self._decide(w, now, stall_s - w.stall_s, background_s - w.background_s)
 
     # -- decisions ------------------------------------------------------------------------------
@@ -173,16 +189,24 @@ class Cadence:
             self._adapt(extra / w.captures, tau0)
 
     def _adapt(self, cost: float, tau0: float) -> None:
-        """Raise k when a capture costs more than the budget, to TARGET of it; lower it (to a
-        quarter at most per decision: the cost is measured, but noisy) when TARGET still holds."""
+        """Raise k at once when a capture costs more than the budget, to TARGET of it. Lower it
+        only when :data:`LOWER_AFTER` decisions in a row find a smaller k within TARGET (the
+        cost is measured, but noisy: one quiet window must not undo a raise), to the largest of
+        theirs and to a quarter at most."""
         budget = self.options.max_overhead
         self.cost_per_capture_s = cost
         wanted = max(1, min(MAX_EVERY, math.ceil(cost / (TARGET * budget * tau0))))
         every = self.every
         if cost / (self.every * tau0) > budget:
             every = max(wanted, self.every + 1)
+            self._lower.clear()
         elif wanted < self.every:
-            every = max(wanted, self.every // 4)
+            self._lower.append(wanted)
+            if len(self._lower) >= LOWER_AFTER:
+                every = max(max(self._lower), self.every // 4)
+                self._lower.clear()
+        else:
+            self._lower.clear()
         if every != self.every:
             log.info("ldformat: measured %.1f%% overhead (%.3fs per capture, %.4fs steps without checkpointing; "
                      "budget %.1f%%): capturing every %d steps instead of %d", 100 * cost / (self.every * tau0),
