@@ -43,6 +43,12 @@ class CaptureOptions:
             ``optimizer.step()`` returns. Default (``None``): on for a model on CUDA, off
             on the CPU, where a memory copy costs less than the bookkeeping that defers it
             (benchmarks/results/lazy_snapshot.md).
+        max_host_bytes: the host memory, in bytes, that the staging buffers of captured steps may
+            take together (pinned on CUDA; docs/capture-runtime.md "Host memory"). Fewer steps
+            wait for the background writer when ``queue_depth + 1`` staging sets do not fit,
+            and a state of which one set does not fit is refused before anything is written.
+            Default (``None``): a quarter of this machine's memory (or of its container's limit),
+            divided by ``LOCAL_WORLD_SIZE``; 8 GiB when the memory cannot be read.
         anchor_every, batch_steps, max_stall, mtbf_hours, queue_depth, max_batch_bytes,
             encode_threads, stage_during_backward: as the :class:`~ldformat.Checkpointer`
             keywords of the same names (``None``: that keyword's default).
@@ -52,6 +58,7 @@ class CaptureOptions:
     capture_every: Every = "auto"
     max_lost_s: float | None = None
     lazy_snapshot: bool | None = None
+    max_host_bytes: int | None = None
     anchor_every: Every | None = None
     batch_steps: Every | None = None
     max_stall: float | None = None
@@ -69,6 +76,10 @@ class CaptureOptions:
         check_every(self.capture_every, "capture_every")
         if self.max_lost_s is not None and not (isinstance(self.max_lost_s, (int, float)) and self.max_lost_s > 0):
             raise UsageError(f"max_lost_s must be a positive number of seconds, got {self.max_lost_s!r}")
+        if self.max_host_bytes is not None and (isinstance(self.max_host_bytes, bool) or not isinstance(
+                self.max_host_bytes, int) or self.max_host_bytes < 1):
+            raise UsageError(f"max_host_bytes must be a positive number of bytes (an int, e.g. 8 << 30 for 8 GiB), "
+                             f"or None for the default; got {self.max_host_bytes!r}")
         for name in ("anchor_every", "batch_steps"):
             value = getattr(self, name)
             if value is not None:
@@ -76,7 +87,7 @@ class CaptureOptions:
 
     def given(self) -> dict[str, object]:
         """The Checkpointer keywords these options set (those not left ``None``)."""
-        own = {"max_overhead", "capture_every", "lazy_snapshot"}
+        own = {"max_overhead", "capture_every", "lazy_snapshot", "max_host_bytes"}
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in own and getattr(self, f.name) is not None}
 

@@ -86,7 +86,15 @@ from .sharded import (
 from .sharded import setup as sharded_setup
 from .snapshot import LazySnapshots
 from .staging import BufferPool, BufferSet, Stager
-from .tuning import DEFAULT_MAX_LOST_S, CaptureStats, Interval, Tuning, check_budget
+from .tuning import (
+    DEFAULT_MAX_LOST_S,
+    CaptureStats,
+    Interval,
+    Tuning,
+    check_budget,
+    default_max_host_bytes,
+    staging_set_bytes,
+)
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
 if TYPE_CHECKING:
@@ -348,6 +356,9 @@ class Checkpointer:
         self._scalars: dict[str, float] = {}  # logged for the step that closes next (log())
         self.compressor = compressor if compressor is not None else (TopK(topk_ratio) if mode == "lowdiff" else None)
         self._compress = compress and mode == "lowdiff"
+        host_budget = options.max_host_bytes if options.max_host_bytes is not None else default_max_host_bytes()
+        if not self.sharded:  # a sharded model's ranks refuse together, in check() below
+            staging_sets(self.path, mode, model, optimizer, self.compressor, host_budget, queue_depth)
         self.process_group = process_group
         self._committer: Committer | None = None
         rank_lock = None
@@ -363,6 +374,7 @@ class Checkpointer:
                 build_schema(model, optimizer, self.kind, compressor_)
                 if max_bytes is not None:
                     check_budget(max_bytes, model, optimizer, each_rank=True)
+                staging_sets(self.path, mode, model, optimizer, compressor_, host_budget, queue_depth)
 
             statistics = unsynchronized_statistics(model)
             if copy_ranks is None and statistics:
@@ -435,7 +447,9 @@ class Checkpointer:
         self._cuda = device.type == "cuda"
         self._device_type = device.type
         self.stager = Stager(device)
-        self.pool = BufferPool(queue_depth + 1, pin=self._cuda)
+        sets = staging_sets(self.path, mode, model, optimizer, self.compressor, host_budget, queue_depth, say=True)
+        self.stats.max_host_bytes, self.stats.staging_sets = host_budget, sets
+        self.pool = BufferPool(sets, pin=self._cuda, max_bytes=host_budget, stats=self.stats)
         self._lazy = LazySnapshots(self.stager)
         lazy = options.lazy_snapshot if options.lazy_snapshot is not None else self._cuda  # measured on CPU: a loss
         self._lazy.enabled = mode == "xor" and lazy
@@ -1045,6 +1059,32 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def staging_sets(path: str, mode: Mode, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 compressor: TopK | None, max_host_bytes: int, queue_depth: int, *, say: bool = False) -> int:
+    """How many buffer sets fit ``max_host_bytes`` (at most ``queue_depth + 1``); a state of which
+    one set does not fit is refused (:class:`UsageError`), before anything is written."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    pin = bool(params) and params[0].device.type == "cuda"
+    k = compressor.k_for if compressor is not None and mode == "lowdiff" else None
+    one = staging_set_bytes(mode, model, optimizer, pin=pin, topk_k=k)
+    if one > max_host_bytes:
+        less = ""
+        if mode == "xor":
+            grads = staging_set_bytes("lowdiff+", model, optimizer, pin=pin)
+            less = f"; mode='lowdiff+' stages only the gradients and buffers ({grads} bytes here)"
+        what = ("the whole state, with the optimizer state its first step creates" if mode == "xor"
+                else "the gradients and buffers")
+        raise UsageError(
+            f"{path}: one staging set of this state takes {one} bytes of host memory ({mode}: {what}), more "
+            f"than max_host_bytes={max_host_bytes}; give CaptureOptions(max_host_bytes=...) at least {one} "
+            f"if this machine has the memory to spare{less}, or shard the model (each rank stages its own shards)")
+    sets = max(1, min(queue_depth + 1, max_host_bytes // max(1, one)))
+    if say and sets < queue_depth + 1:
+        log.info("%s: %d staging set(s) of %d bytes fit max_host_bytes=%d: %d step(s) may wait for the writer "
+                 "instead of queue_depth=%d", path, sets, one, max_host_bytes, sets - 1, queue_depth)
+    return sets
 
 
 def _one_way(given: dict[str, object], name: str, keyword: T, default: T) -> T:

@@ -9,28 +9,56 @@ writer waits on an event before it reads them. Without CUDA the copy is a plain
 
 from __future__ import annotations
 
-import queue
+import logging
+import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
+
+from ..errors import UsageError
+
+if TYPE_CHECKING:
+    from .tuning import CaptureStats
+
+log = logging.getLogger("ldformat.capture")
 
 
 class BufferSet:
     """Host buffers keyed by stored name, allocated on first use and reused afterwards."""
 
-    def __init__(self, pin: bool) -> None:
+    def __init__(self, pin: bool, pool: BufferPool | None = None) -> None:
         self.pin = pin
+        self.pool = pool  # charged for every allocation (the host-memory budget)
         self.tensors: dict[str, torch.Tensor] = {}
         self.event: torch.cuda.Event | None = None
+        self.nbytes = 0  # host bytes its buffers take, as the budget counts them
 
     def buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The buffer for ``name``, shaped and typed like ``like`` (reallocated if it is not)."""
         shape = tuple(like.shape)
         buf = self.tensors.get(name)
         if buf is None or tuple(buf.shape) != shape or buf.dtype != like.dtype:
+            if buf is not None:  # freed before its replacement is allocated: the two never coexist
+                del self.tensors[name]
+                self._charge(-host_bytes(buf.numel() * buf.element_size(), self.pin))
+                del buf
+            self._charge(host_bytes(like.numel() * like.element_size(), self.pin))
             buf = torch.empty(shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
             self.tensors[name] = buf
         return buf
+
+    def _charge(self, nbytes: int) -> None:
+        if self.pool is not None:
+            self.pool.charge(self, nbytes)
+        else:
+            self.nbytes += nbytes
+
+
+def host_bytes(nbytes: int, pin: bool) -> int:
+    """The host memory a buffer of ``nbytes`` takes: PyTorch's pinned allocator rounds each
+    block up to a power of two, so a pinned buffer is counted at that size."""
+    return 1 << (nbytes - 1).bit_length() if pin and nbytes > 1 else nbytes
 
 
 class Stager:
@@ -73,17 +101,67 @@ class Stager:
 
 
 class BufferPool:
-    """A fixed number of BufferSets; acquiring blocks while all are in flight (back-pressure)."""
+    """BufferSets within a host-memory budget; acquiring blocks while all are in flight (back-pressure).
 
-    def __init__(self, size: int, pin: bool) -> None:
-        self._free: queue.Queue[BufferSet] = queue.Queue()
-        for _ in range(size):
-            self._free.put(BufferSet(pin))
+    ``max_bytes`` bounds the bytes of every staging buffer of every set together
+    (docs/capture-runtime.md "Host memory"). The runtime sizes the pool so that its sets fit;
+    should a set grow past that estimate (an optimizer state larger than predicted), the
+    free sets are retired first, then the sets in flight as the writer hands them back, and
+    only when the one set in use cannot fit alone is the allocation refused.
+    """
+
+    def __init__(self, size: int, pin: bool, max_bytes: int | None = None,
+                 stats: CaptureStats | None = None) -> None:
+        self._cond = threading.Condition()
+        self._free: list[BufferSet] = [BufferSet(pin, self) for _ in range(size)]
+        self.size = size  # sets that exist: free, pending or in flight
+        self.max_bytes = max_bytes
+        self.stats = stats
+        self.bytes = 0  # of every buffer of every set
+        self.peak = 0
+        self._retired_said = False
 
     def acquire(self) -> tuple[BufferSet, float]:
         start = time.perf_counter()
-        buffers = self._free.get()
+        with self._cond:
+            while not self._free:
+                self._cond.wait()
+            buffers = self._free.pop(0)
         return buffers, time.perf_counter() - start
 
     def release(self, buffers: BufferSet) -> None:
-        self._free.put(buffers)
+        with self._cond:
+            self._free.append(buffers)
+            self._cond.notify_all()
+
+    def charge(self, owner: BufferSet, nbytes: int) -> None:
+        """Account ``nbytes`` about to be allocated for ``owner`` (negative: freed), within the budget."""
+        with self._cond:
+            while self.max_bytes is not None and nbytes > 0 and self.bytes + nbytes > self.max_bytes:
+                if self._free:  # a set nobody uses: retire it, with its buffers
+                    victim = max(self._free, key=lambda s: s.nbytes)
+                    self._free.remove(victim)
+                    self._retire(victim)
+                elif self.size > 1:  # the other sets are in flight: wait for the writer to hand one back
+                    self._cond.wait()
+                else:
+                    raise UsageError(
+                        f"one staging set of this state needs more than max_host_bytes={self.max_bytes} bytes of "
+                        f"host memory ({owner.nbytes + nbytes} bytes so far); give CaptureOptions(max_host_bytes=...)"
+                        " at least that much, or stage less per rank (mode 'lowdiff+' stages only the gradients; "
+                        "sharding the model stages each rank's shards)")
+            self.bytes += nbytes
+            owner.nbytes += nbytes
+            self.peak = max(self.peak, self.bytes)
+            if self.stats is not None:
+                self.stats.host_bytes, self.stats.host_bytes_peak = self.bytes, self.peak
+
+    def _retire(self, victim: BufferSet) -> None:
+        self.size -= 1
+        self.bytes -= victim.nbytes
+        victim.nbytes = 0
+        victim.tensors.clear()
+        if not self._retired_said:
+            self._retired_said = True
+            log.info("ldformat: a staging set holds more than estimated: %d set(s) in flight now, within "
+                     "max_host_bytes=%d", self.size, self.max_bytes)

@@ -10,9 +10,11 @@ intervals, and doubles both values when the training thread stalls more than ``m
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -21,6 +23,7 @@ import torch
 from ..errors import UsageError
 from ..shards import local
 from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_batch_steps
+from .staging import host_bytes
 
 if TYPE_CHECKING:
     from ..writer import ChainWriter
@@ -70,6 +73,11 @@ class CaptureStats:
     capture_every: int = 1  # k in force
     overhead: float | None = None  # the latest measured overhead fraction (None: not measured yet)
     durable_at: float | None = None  # time.monotonic() when the durable step's state was live
+    # Host memory of the staging buffers (docs/capture-runtime.md "Host memory"), as the budget counts it.
+    max_host_bytes: int = 0  # the budget in force
+    host_bytes: int = 0  # allocated now, every buffer set together
+    host_bytes_peak: int = 0  # the most ever allocated at once
+    staging_sets: int = 0  # buffer sets the budget allows (at most queue_depth + 1)
 
     @property
     def seconds_at_risk(self) -> float:
@@ -103,6 +111,10 @@ class CaptureStats:
             "capture_every": self.capture_every,
             "overhead": self.overhead,
             "seconds_at_risk": self.seconds_at_risk,
+            "max_host_bytes": self.max_host_bytes,
+            "host_bytes": self.host_bytes,
+            "host_bytes_peak": self.host_bytes_peak,
+            "staging_sets": self.staging_sets,
         }
 
 
@@ -122,6 +134,93 @@ def check_budget(max_bytes: int, model: torch.nn.Module, optimizer: torch.optim.
         raise UsageError(f"{what} cannot hold two anchors of the current state ({state} bytes "
                          f"each, without the optimizer state it has yet to create); give at least {2 * state}"
                          f"{' per rank' if each_rank else ''}, better several times more")
+
+
+#: The share of this machine's memory (physical, or the container's limit when lower) that the
+#: staging buffers of one machine's processes may take by default: the rest is training's
+#: own (the data loader, the model's host copies) and the writer's XOR base, another copy
+#: of the state outside the budget.
+DEFAULT_HOST_FRACTION = 0.25
+FALLBACK_HOST_BYTES = 8 << 30  # when the machine's memory cannot be read
+#: Per-parameter state an optimizer creates at its first step, in multiples of the parameter's
+#: bytes, for the classes that create it lazily; any other class is assumed to keep Adam's 2.
+LAZY_STATE = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2, "ASGD": 1,
+              "RMSprop": 1, "SGD": 0, "Adagrad": 1, "SparseAdam": 2, "LBFGS": 0}
+SCALAR_STATE_BYTES = 64  # a parameter's scalar state tensors (``step``, ...): a few small buffers
+
+
+def machine_memory() -> int | None:
+    """This machine's memory in bytes, or the container's limit (cgroup) when lower; None if unknown."""
+    try:
+        total: int | None = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not on every platform
+        total = None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(limit_file) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) > 0:
+            total = int(text) if total is None else min(total, int(text))
+        break
+    return total if total is not None and total > 0 else None
+
+
+def default_max_host_bytes() -> int:
+    """The staging budget without ``max_host_bytes``: :data:`DEFAULT_HOST_FRACTION` of the machine's
+    memory, divided by ``LOCAL_WORLD_SIZE`` (set by torchrun: the processes of one job on this
+    machine), or :data:`FALLBACK_HOST_BYTES` per process when the memory cannot be read."""
+    total = machine_memory()
+    if total is None:
+        return FALLBACK_HOST_BYTES
+    local_processes = os.environ.get("LOCAL_WORLD_SIZE", "")
+    share = int(local_processes) if local_processes.isdigit() and int(local_processes) > 1 else 1
+    return max(1, int(total * DEFAULT_HOST_FRACTION) // share)
+
+
+def staging_set_bytes(mode: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, pin: bool,
+                      topk_k: Callable[[int], int] | None = None) -> int:
+    """The host bytes one buffer set of a step takes (:mod:`.staging`), as the budget counts them:
+    ``xor`` the whole state, including the optimizer state not created yet (:data:`LAZY_STATE`);
+    ``lowdiff+`` every gradient and the buffers; ``lowdiff`` (``topk_k``: the entries kept of a
+    gradient of n) the kept values, their int64 indices and the buffers."""
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return host_bytes(t.numel() * t.element_size(), pin)
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    seen = {id(p) for p in params}
+    total = 0
+    for t in model.state_dict(keep_vars=True).values():  # tied weights: one entry
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            if not isinstance(t, torch.nn.Parameter) or mode == "xor":
+                total += size(t)  # buffers, and for xor the parameters the optimizer does not hold
+    if mode != "xor":
+        for p in params:
+            t = local(p)
+            if mode == "lowdiff" and topk_k is not None:
+                k = topk_k(t.numel())
+                total += host_bytes(k * t.element_size(), pin) + host_bytes(k * 8, pin)
+            else:
+                total += size(p)
+        return total
+    lazy = LAZY_STATE.get(type(optimizer).__name__, 2)
+    for group in optimizer.param_groups:
+        extra = lazy + int(bool(group.get("amsgrad")) or bool(group.get("centered")))
+        if type(optimizer).__name__ == "SGD" and group.get("momentum"):
+            extra = 1
+        if type(optimizer).__name__ == "RMSprop" and group.get("momentum"):
+            extra += 1
+        for p in group["params"]:
+            total += size(p)
+            state = optimizer.state.get(p)
+            if state:
+                total += sum(size(v) for v in state.values() if isinstance(v, torch.Tensor))
+            else:  # created at the first step: estimated, the runtime's pool still holds to the budget
+                total += extra * size(p) + (SCALAR_STATE_BYTES if extra else 0)
+    return total
 
 
 def positive_interval(value: object, name: str) -> int:
