@@ -10,6 +10,7 @@ writer waits on an event before it reads them. Without CUDA the copy is a plain
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -113,7 +114,9 @@ class BufferPool:
     def __init__(self, size: int, pin: bool, max_bytes: int | None = None,
                  stats: CaptureStats | None = None) -> None:
         self._cond = threading.Condition()
-        self._free: list[BufferSet] = [BufferSet(pin, self) for _ in range(size)]
+        self._free: queue.Queue[BufferSet] = queue.Queue()  # changed under _cond only
+        for _ in range(size):
+            self._free.put(BufferSet(pin, self))
         self.size = size  # sets that exist: free, pending or in flight
         self.max_bytes = max_bytes
         self.stats = stats
@@ -124,24 +127,22 @@ class BufferPool:
     def acquire(self) -> tuple[BufferSet, float]:
         start = time.perf_counter()
         with self._cond:
-            while not self._free:
+            while self._free.empty():
                 self._cond.wait()
-            buffers = self._free.pop(0)
+            buffers = self._free.get_nowait()
         return buffers, time.perf_counter() - start
 
     def release(self, buffers: BufferSet) -> None:
         with self._cond:
-            self._free.append(buffers)
+            self._free.put(buffers)
             self._cond.notify_all()
 
     def charge(self, owner: BufferSet, nbytes: int) -> None:
         """Account ``nbytes`` about to be allocated for ``owner`` (negative: freed), within the budget."""
         with self._cond:
             while self.max_bytes is not None and nbytes > 0 and self.bytes + nbytes > self.max_bytes:
-                if self._free:  # a set nobody uses: retire it, with its buffers
-                    victim = max(self._free, key=lambda s: s.nbytes)
-                    self._free.remove(victim)
-                    self._retire(victim)
+                if not self._free.empty():  # a set nobody uses: retire it, with its buffers
+                    self._retire(self._free.get_nowait())
                 elif self.size > 1:  # the other sets are in flight: wait for the writer to hand one back
                     self._cond.wait()
                 else:
