@@ -167,6 +167,7 @@ def run_adaptive(path: Path, store: FaultyStore, phases: list[tuple[int, float]]
 def test_interval_rises_on_a_slow_store_and_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cadence, "WINDOW_S", 0.4)
     monkeypatch.setattr(cadence, "WARMUP_S", 0.0)
+    monkeypatch.setattr(cadence, "LOWER_AFTER", 1)  # the hysteresis has its own test; a few hundred steps here
     store = FaultyStore(LocalStore(tmp_path / "chain"))
     ks = run_adaptive(tmp_path / "chain", store, [(30, 0.0), (60, 0.1), (200, 0.0)], budget=1.0)
     slow = max(ks)
