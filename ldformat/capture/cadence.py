@@ -114,7 +114,8 @@ class Cadence:
             return None
         seconds = [s for _, s in self._baseline]
         bound = PAUSE * statistics.median(seconds)
-        return statistics.fmean(s for s in seconds if s <= bound)
+        mean = statistics.fmean(s for s in seconds if s <= bound)
+        return mean if mean > 0 else None  # a clock too coarse to time a step measured nothing (k / tau0 divides)
 
     def _fresh_baseline(self, now: float) -> bool:
         return bool(self._baseline) and now - self._baseline[-1][0] <= REPROBE_S
@@ -183,6 +184,8 @@ class Cadence:
                 return
             # The training thread's own stall is over budget already: act on it (a lower bound of the cost).
             extra, tau0 = stall, (w.seconds - stall) / w.intervals
+            if tau0 <= 0:
+                return  # the window was all stall (or timed as nothing): no step time to relate a cost to
         self.overhead = extra / (w.intervals * tau0)
         self.decisions += 1
         if w.captures:

@@ -992,13 +992,19 @@ class Checkpointer:
             return None
         if self._closed:
             return self.writer.durable_step
+        failed: Exception | None = None
         try:
-            if self._background.error is None and self._pending is not None and (
-                self._pending.post_done or self._pending.hyper is not None
-            ):
-                self._finalize()
-            if self._background.error is None:
-                self._capture_live()
+            try:
+                if self._background.error is None and self._pending is not None and (
+                    self._pending.post_done or self._pending.hyper is not None
+                ):
+                    self._finalize()
+                if self._background.error is None:
+                    self._capture_live()
+            except Exception as e:
+                # The last step could not be captured (its staging set outgrew max_host_bytes, say):
+                # the steps queued before it are still committed and the lock released, then it is raised.
+                failed = e
         finally:
             self._closed = True
             self._lazy.close()
@@ -1034,6 +1040,8 @@ class Checkpointer:
         if self._mirror is not None:
             self._mirror.committed(step)
             self._mirror.close(self.mirror_timeout)
+        if failed is not None:
+            raise failed
         return step
 
     def _retain_once_committed(self) -> None:

@@ -145,7 +145,9 @@ FALLBACK_HOST_BYTES = 8 << 30  # when the machine's memory cannot be read
 #: Per-parameter state an optimizer creates at its first step, in multiples of the parameter's
 #: bytes, for the classes that create it lazily; any other class is assumed to keep Adam's 2.
 LAZY_STATE = {"Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Rprop": 2, "ASGD": 1,
-              "RMSprop": 1, "SGD": 0, "Adagrad": 1, "SparseAdam": 2, "LBFGS": 0}
+              "RMSprop": 1, "SGD": 0, "Adagrad": 1, "SparseAdam": 2, "LBFGS": 0,
+              # Widely used classes outside torch.optim that keep more than Adam's two (timm's names).
+              "Adan": 4, "MADGRAD": 3, "Mars": 3}
 SCALAR_STATE_BYTES = 64  # a parameter's scalar state tensors (``step``, ...): a few small buffers
 
 
@@ -207,6 +209,17 @@ def staging_set_bytes(mode: str, model: torch.nn.Module, optimizer: torch.optim.
                 total += size(p)
         return total
     lazy = LAZY_STATE.get(type(optimizer).__name__, 2)
+    # torch.optim keeps the state in the parameter's dtype; other classes often keep a low-precision
+    # parameter's state in float32 (timm's AdaBelief, Adafactor).
+    torch_class = type(optimizer).__module__.startswith("torch.optim")
+
+    def state_size(p: torch.Tensor) -> int:
+        """One state tensor like ``p``: at least float32 wide outside torch.optim (an estimate
+        short of the state fails the capture at the first step, after the chain was created)."""
+        t = local(p)
+        width = t.element_size() if torch_class or not t.is_floating_point() else max(4, t.element_size())
+        return host_bytes(t.numel() * width, pin)
+
     for group in optimizer.param_groups:
         extra = lazy + int(bool(group.get("amsgrad")) or bool(group.get("centered")))
         if type(optimizer).__name__ == "SGD" and group.get("momentum"):
@@ -219,7 +232,7 @@ def staging_set_bytes(mode: str, model: torch.nn.Module, optimizer: torch.optim.
             if state:
                 total += sum(size(v) for v in state.values() if isinstance(v, torch.Tensor))
             else:  # created at the first step: estimated, the runtime's pool still holds to the budget
-                total += extra * size(p) + (SCALAR_STATE_BYTES if extra else 0)
+                total += extra * state_size(p) + (SCALAR_STATE_BYTES if extra else 0)
     return total
 
 
