@@ -246,6 +246,8 @@ class Simulated:
 
     def run(self, steps: int, tau0: float, stall: float, busy: float = 0.0, pause_every: int = 0,
             pause_s: float = 0.0) -> list[int]:
+        """The k in force after each of these steps."""
+        before = len(self.ks)
         for _ in range(steps):
             seconds = tau0 + (stall if self.after else 0.0)
             if self.after:
@@ -263,7 +265,7 @@ class Simulated:
             if self.after:
                 self.c.captured(self.step)
             self.ks.append(self.c.every)
-        return self.ks
+        return self.ks[before:]
 
 
 def test_a_large_interval_falls_back_when_captures_are_cheap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -296,3 +298,16 @@ def test_pauses_between_steps_are_not_a_cost(monkeypatch: pytest.MonkeyPatch) ->
     # A 2 % stall at k = 4, where it stays; the background's CPU time, if it all came out of training, 14.5 %.
     ks = sim.run(2_000, tau0=0.1, stall=0.008, busy=0.05, pause_every=50, pause_s=30.0)
     assert max(ks) == 4 and ks[-1] <= 4, f"a pause was taken for checkpointing's cost: k {sorted(set(ks))}"
+
+
+def test_one_costly_capture_does_not_push_captures_hours_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk stall makes one capture cost 5 s: k rises (by RAISE_MAX at most) and comes back."""
+    monkeypatch.setattr(cadence, "WARMUP_S", 0.0)
+    sim = Simulated(monkeypatch, every=4)
+    steady = sim.run(1_000, tau0=0.1, stall=0.008)[-1]  # 2 % at k = 4 (test_pauses_between_steps...)
+    assert steady == 4
+    spike = sim.run(8, tau0=0.1, stall=5.0)  # two captures stall 5 s each
+    ks = sim.run(1_000, tau0=0.1, stall=0.008)  # 100 s of training
+    assert max(spike + ks) <= 4 * cadence.RAISE_MAX, f"k {sorted(set(spike + ks))}"
+    assert max(spike + ks) > 4, "the costly captures must raise k"
+    assert ks[-1] == 4, f"k must come back within 100 s once captures are cheap again: {sorted(set(ks))}"

@@ -9,8 +9,9 @@ background work inflicted; never more than the stall plus the background's CPU t
 pause between steps or noise is not taken for it), ``C`` per capture. Capturing every ``k``-th step costs
 ``C / (k * tau0)``; the runtime keeps the smallest ``k`` for which that is within
 :data:`TARGET` of the budget once it went over (CheckFreq, section 4.3, with the capture interval as the knob).
-It raises ``k`` on one window over the budget, and lowers it only when :data:`LOWER_AFTER`
-windows in a row agree. A window lasts until it holds a capture (its cost is per capture),
+It raises ``k`` on one window over the budget (by :data:`RAISE_MAX` times at most), and lowers
+it only when :data:`LOWER_AFTER` windows in a row agree (one, when captures are rarer than
+:data:`MAX_WINDOW_S`). A window lasts until it holds a capture (its cost is per capture),
 and an interval longer than :data:`PAUSE` steps beyond what checkpointing could have taken
 of it (a pause between steps) counts as one step plus that.
 
@@ -45,7 +46,10 @@ PROBE_STEPS = 3
 REPROBE_S = 60.0
 BASELINE_SAMPLES = 32
 PAUSE = 3.0  # a clean interval this many times the median is a pause, not a step
-LOWER_AFTER = 3  # consecutive decisions that must all find a smaller k before k is lowered
+LOWER_AFTER = 3  # consecutive decisions that must all find a smaller k before k is lowered ...
+# ... unless captures are so far apart that waiting for three would leave minutes unprotected
+RAISE_MAX = 16  # k rises at most this many times per decision: one mismeasured window (a disk stall)
+#                 must not push captures hours apart, with windows (each holding a capture) as long
 MAX_EVERY = 1_000_000
 COMMIT_SHARE = 0.25  # the share of the budget automatic commit batches may use
 
@@ -192,20 +196,21 @@ class Cadence:
             self._adapt(extra / w.captures, tau0)
 
     def _adapt(self, cost: float, tau0: float) -> None:
-        """Raise k at once when a capture costs more than the budget, to TARGET of it. Lower it
-        only when :data:`LOWER_AFTER` decisions in a row find a smaller k within TARGET (the
-        cost is measured, but noisy: one quiet window must not undo a raise), to the largest of
-        theirs and to a quarter at most."""
+        """Raise k at once when a capture costs more than the budget, to TARGET of it (by
+        :data:`RAISE_MAX` times at most). Lower it only when :data:`LOWER_AFTER` decisions in a
+        row find a smaller k within TARGET (the cost is measured, but noisy: one quiet window must
+        not undo a raise), or one does when captures are :data:`MAX_WINDOW_S` apart or more; to
+        the largest k they found and to a quarter at most."""
         budget = self.options.max_overhead
         self.cost_per_capture_s = cost
         wanted = max(1, min(MAX_EVERY, math.ceil(cost / (TARGET * budget * tau0))))
         every = self.every
         if cost / (self.every * tau0) > budget:
-            every = max(wanted, self.every + 1)
+            every = min(max(wanted, self.every + 1), self.every * RAISE_MAX)
             self._lower.clear()
         elif wanted < self.every:
             self._lower.append(wanted)
-            if len(self._lower) >= LOWER_AFTER:
+            if len(self._lower) >= LOWER_AFTER or self.every * tau0 >= MAX_WINDOW_S:
                 every = max(max(self._lower), self.every // 4)
                 self._lower.clear()
         else:
