@@ -19,7 +19,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -563,16 +563,8 @@ class ChainWriter:
         """
         self._check_usable()
         step = captured.step
-        self._refuse_structure_in_old_chain(captured.optimizer, step)
         xor = self.kind == "state.xor"
-        # A state delta may span steps that were not captured (spec §11.3); a gradient delta may not.
-        if self._last_step is None or step <= self._last_step or (step != self._last_step + 1 and not xor):
-            raise UsageError(
-                f"{self.path}: step {step} recorded out of order; the next step is "
-                f"{None if self._last_step is None else self._last_step + 1}"
-                f"{' or, in a state.xor chain, a later one' if xor and self._last_step is not None else ''}"
-            )
-        base = self._last_step
+        base = self._check_next(captured)
         values: dict[str, np.ndarray] = {}
         slots: list[tuple[int, str, CapturedTensor | None]]
         if xor:
@@ -582,16 +574,7 @@ class ChainWriter:
             # Check every tensor before encoding any: a refused step must leave no part of a row behind.
             slots = [(self._slot(name, ct, "dense" if ct.indices is None else "sparse"), name, ct)
                      for name, ct in captured.tensors.items()]
-        entry = StepEntry(
-            step=step,
-            base=base,
-            row=self._batch.rows,
-            stepped=captured.stepped,
-            hyper=None if xor else captured.hyper,
-            param_groups=captured.param_groups,
-            extra=captured.extra,
-            optimizer=captured.optimizer if xor else None,
-        )
+        entry = self._step_entry(captured, base)
         try:
             self._batch.start_row()
             for j, name, ct in sorted(slots, key=lambda s: s[0]):  # segment order is slot order (spec §10.1)
@@ -608,6 +591,95 @@ class ChainWriter:
                                       f"nothing after step {self.durable_step} is durable. Re-open the chain "
                                       "with ChainWriter.open to continue")
             raise self._failed from e
+        self._row_added(captured, entry, encoded)
+
+    def append_in_pieces(self, captured: CapturedStep,
+                         read: Callable[[list[str]], Iterable[Mapping[str, CapturedTensor]]],
+                         encoded: Callable[[], None] | None = None) -> None:
+        """Add a ``state.xor`` step whose tensors are read piece by piece, for a state whose
+        host copy must stay within a memory budget (docs/capture-runtime.md "Host memory").
+
+        ``captured.tensors`` says what each tensor is (dtype and shape; its bits are not read).
+        ``read(order)`` yields the bits in pieces: consecutive runs of the names of ``order``
+        (the row's slot order), each piece's bits scratch buffers that this method overwrites
+        with the values and is done with before it asks for the next piece. Every check of
+        :meth:`append` runs before the first piece is read. Needs ``predict_state`` off: a
+        predicted tensor's values depend on tensors of other pieces, a plain one's on its own
+        bits and base only.
+        """
+        self._check_usable()
+        if self.kind != "state.xor" or self.predict_state:
+            raise UsageError(f"{self.path}: a row in pieces needs a state.xor chain with predict_state off")
+        step = captured.step
+        base = self._check_next(captured)
+        encodings, _ = self._state_slots(captured)
+        order = sorted(captured.tensors, key=self._slot_index.__getitem__)
+        entry = self._step_entry(captured, base)
+        done = 0
+        try:
+            for name in [n for n in self._xor_base if n not in captured.tensors]:
+                del self._xor_base[name]
+            self._batch.start_row()
+            pool = encode_pool(self._encode_threads)
+            for piece in read(order):
+                names = list(piece)
+                if not names or names != order[done:done + len(names)]:
+                    raise ValueError(f"a piece holds {names[:3]}, not the next tensors in slot order "
+                                     f"{order[done:done + 3]}")
+                for name in names:
+                    want, got = captured.tensors[name], piece[name]
+                    if (want.dtype, tuple(want.shape)) != (got.dtype, tuple(got.shape)):
+                        raise ValueError(f"{name} is {got.dtype} {list(got.shape)} in its piece, "
+                                         f"{want.dtype} {list(want.shape)} in the step")
+                values = row_values(piece, {n: encodings[n] for n in names}, self._param_names, {},
+                                    self._xor_base, {}, True, pool)
+                for name in names:  # segment order is slot order (spec §10.1); the piece may be reused after
+                    self._batch_bytes += values[name].nbytes
+                    self._batch.add(self._slot_index[name], values[name], None)
+                done += len(names)
+            if done != len(order):
+                raise ValueError(f"the pieces ended after {done} of the row's {len(order)} tensors")
+        except Exception as e:
+            # The base and the batch hold part of this row: neither can take another step.
+            self._failed = ChainError(f"{self.path}: coding step {step} in pieces failed ({type(e).__name__}: "
+                                      f"{e}); nothing after step {self.durable_step} is durable. Re-open the chain "
+                                      "with ChainWriter.open to continue")
+            raise self._failed from e
+        self._xor_meta = {name: (ct.dtype, tuple(ct.shape)) for name, ct in captured.tensors.items()}
+        self._row_added(captured, entry, encoded)
+
+    def _check_next(self, captured: CapturedStep) -> int:
+        """Refuse a step that cannot follow the last one (before any part of its row is made);
+        returns the step it follows."""
+        step = captured.step
+        self._refuse_structure_in_old_chain(captured.optimizer, step)
+        xor = self.kind == "state.xor"
+        # A state delta may span steps that were not captured (spec §11.3); a gradient delta may not.
+        if self._last_step is None or step <= self._last_step or (step != self._last_step + 1 and not xor):
+            raise UsageError(
+                f"{self.path}: step {step} recorded out of order; the next step is "
+                f"{None if self._last_step is None else self._last_step + 1}"
+                f"{' or, in a state.xor chain, a later one' if xor and self._last_step is not None else ''}"
+            )
+        return self._last_step
+
+    def _step_entry(self, captured: CapturedStep, base: int) -> StepEntry:
+        xor = self.kind == "state.xor"
+        return StepEntry(
+            step=captured.step,
+            base=base,
+            row=self._batch.rows,
+            stepped=captured.stepped,
+            hyper=None if xor else captured.hyper,
+            param_groups=captured.param_groups,
+            extra=captured.extra,
+            optimizer=captured.optimizer if xor else None,
+        )
+
+    def _row_added(self, captured: CapturedStep, entry: StepEntry, encoded: Callable[[], None] | None) -> None:
+        """The step's row is in the batch: record its entry, then its anchor or the commit it makes due."""
+        step = captured.step
+        xor = self.kind == "state.xor"
         self._row_steps.append(entry)
         self._last_step = step
         self._last_extra = captured.extra
@@ -659,6 +731,28 @@ class ChainWriter:
         copy of the state is needed besides the base); otherwise each value gets its own array.
         """
         tensors = captured.tensors
+        encodings, coefs = self._state_slots(captured)
+        params = self._param_names
+        # A tensor absent at this step is absent in the replayed state too: forget its base
+        # (after keeping what the predictions of this row read from the previous state).
+        prior = dict(self._xor_base)
+        try:
+            for name in [n for n in self._xor_base if n not in tensors]:
+                del self._xor_base[name]
+            values.update(row_values(tensors, encodings, params, coefs, self._xor_base, prior, captured.scratch,
+                                     encode_pool(self._encode_threads)))
+        except Exception as e:
+            # The base has partly moved on to this step: no later step can be coded against it.
+            self._failed = ChainError(f"{self.path}: coding step {captured.step} failed ({type(e).__name__}: {e}); "
+                                      f"nothing after step {self.durable_step} is durable. Re-open the chain "
+                                      "with ChainWriter.open to continue")
+            raise self._failed from e
+        self._xor_meta = {name: (ct.dtype, tuple(ct.shape)) for name, ct in tensors.items()}
+
+    def _state_slots(self, captured: CapturedStep) -> tuple[dict[str, str], dict[int, np.ndarray]]:
+        """Check every tensor of a ``state.xor`` row against its slot and the base, give the new
+        ones slots, and return each tensor's encoding in the batch and the Adam coefficients."""
+        tensors = captured.tensors
         for name, ct in tensors.items():  # replay applies a slot only to a tensor like it (spec §11.6)
             meta = self._xor_meta.get(name)
             if meta is not None and meta != (ct.dtype, tuple(ct.shape)):
@@ -682,21 +776,7 @@ class ChainWriter:
         for i in sorted({predicted_param(n, e, params) for n, e in encodings.items() if e in PREDICTED}):
             coef = coefs.get(i, NO_PREDICTION)
             self._slot(f"{PREDICT}{i}", CapturedTensor(bits=coef, dtype="float32", shape=(COEFFICIENTS,)), "dense")
-        # A tensor absent at this step is absent in the replayed state too: forget its base
-        # (after keeping what the predictions of this row read from the previous state).
-        prior = dict(self._xor_base)
-        try:
-            for name in [n for n in self._xor_base if n not in tensors]:
-                del self._xor_base[name]
-            values.update(row_values(tensors, encodings, params, coefs, self._xor_base, prior, captured.scratch,
-                                     encode_pool(self._encode_threads)))
-        except Exception as e:
-            # The base has partly moved on to this step: no later step can be coded against it.
-            self._failed = ChainError(f"{self.path}: coding step {captured.step} failed ({type(e).__name__}: {e}); "
-                                      f"nothing after step {self.durable_step} is durable. Re-open the chain "
-                                      "with ChainWriter.open to continue")
-            raise self._failed from e
-        self._xor_meta = {name: (ct.dtype, tuple(ct.shape)) for name, ct in tensors.items()}
+        return encodings, coefs
 
     def _reset_xor_base_from_live(self) -> None:
         if self.kind == "state.xor":

@@ -14,12 +14,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..captured import CapturedStep
+from ..captured import CapturedStep, CapturedTensor
 from ..jsonvalue import encode
 from ..writer import ChainWriter
 from .ddp import EXTRAS_TIMEOUT_S, RankStates
@@ -45,6 +45,10 @@ class Queued(NamedTuple):
     ended_at: float | None = None
     #: xor's lazy snapshot (snapshot.py): whether the buffers hold the step's state, once fenced.
     valid: Future[bool] | None = None
+    #: xor in pieces (docs/capture-runtime.md "Host memory"): reads the step's tensors piece by
+    #: piece for :meth:`ChainWriter.append_in_pieces`; ``read`` is set once it is done with them.
+    pieces: Callable[[list[str]], Iterator[dict[str, CapturedTensor]]] | None = None
+    read: threading.Event | None = None
 
 
 class BackgroundWriter:
@@ -83,7 +87,7 @@ class BackgroundWriter:
             if item is None:
                 self.queue.task_done()
                 break
-            captured, raw_extra, buffers, ranks, ended_at, valid = item
+            captured, raw_extra, buffers, ranks, ended_at, valid, pieces, read = item
             self.active = True
             started = time.perf_counter()
             released = False
@@ -93,6 +97,8 @@ class BackgroundWriter:
                 if not released:
                     released = True
                     self.pool.release(buffers)  # noqa: B023 (called within this iteration)
+                    if read is not None:  # noqa: B023 (the live state may move on: training waits for it)
+                        read.set()  # noqa: B023
 
             try:
                 if self.error is None and valid is not None and not valid.result():
@@ -106,7 +112,10 @@ class BackgroundWriter:
                     commits = self.writer.commits
                     if self.replica is not None:
                         captured = self.replica.apply(captured)
-                    self.writer.append(captured, encoded=release)
+                    if pieces is not None:
+                        self.writer.append_in_pieces(captured, pieces, encoded=release)
+                    else:
+                        self.writer.append(captured, encoded=release)
                     if self.writer.commits != commits:
                         self.stats.commits += self.writer.commits - commits
                         self.stats.durable_at = ended_at
@@ -122,5 +131,7 @@ class BackgroundWriter:
                 self.stats.background_wall_s += time.perf_counter() - started
                 self.stats.background_cpu_s = time.thread_time() - cpu_start
                 release()
+                if read is not None:  # training waits for it at its next optimizer step, failed or not
+                    read.set()
                 self.active = False
                 self.queue.task_done()

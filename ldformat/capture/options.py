@@ -46,7 +46,10 @@ class CaptureOptions:
         max_host_bytes: the host memory, in bytes, that the staging buffers of captured steps may
             take together (pinned on CUDA; docs/capture-runtime.md "Host memory"). Fewer steps
             wait for the background writer when ``queue_depth + 1`` staging sets do not fit,
-            and a state of which one set does not fit is refused before anything is written.
+            and an ``xor`` state of which one set does not fit is captured in pieces (training
+            waits at the next step until the writer has read it; no Adam prediction); a tensor
+            larger than the budget, or a gradient mode's set over it, is refused before anything
+            is written.
             Default (``None``): a quarter of this machine's memory (or of its container's limit),
             divided by ``LOCAL_WORLD_SIZE``; 8 GiB when the memory cannot be read.
         anchor_every, batch_steps, max_stall, mtbf_hours, queue_depth, max_batch_bytes,

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
+import numpy as np
 import torch
 
 from ..captured import (
@@ -45,6 +47,7 @@ from ..captured import (
 )
 from ..delta import check_encode_threads
 from ..errors import LdformatError, UsageError
+from ..jsonvalue import dtype_name
 from ..manifest import Kind
 from ..reader import ChainReader
 from ..sharded import rank_location
@@ -85,7 +88,7 @@ from .sharded import (
 )
 from .sharded import setup as sharded_setup
 from .snapshot import LazySnapshots
-from .staging import BufferPool, BufferSet, Stager
+from .staging import BufferPool, BufferSet, Stager, arena_bytes, host_bytes
 from .tuning import (
     DEFAULT_MAX_LOST_S,
     CaptureStats,
@@ -94,6 +97,7 @@ from .tuning import (
     check_budget,
     default_max_host_bytes,
     staging_set_bytes,
+    xor_staged_tensors,
 )
 from .unwrap import unwrap_model, unwrap_optimizer, unwrap_scheduler
 
@@ -112,6 +116,12 @@ DEFAULT_MODE: Mode = "xor"
 #: Steps that may wait for the background writer, by mode: an ``xor`` step is the whole state
 #: (benchmarks/results/queue_depth.md).
 DEFAULT_QUEUE_DEPTH: dict[Mode, int] = {"lowdiff": 2, "lowdiff+": 2, "xor": 0}
+PIECES = "\0pieces"  # the buffer of a set that a step captured in pieces is read through (no stored name)
+PIECE_ALIGN = 64  # bytes: each tensor of a piece starts at a multiple, so that any dtype may view it
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // PIECE_ALIGN) * PIECE_ALIGN
 
 
 @dataclass
@@ -132,6 +142,11 @@ class _Pending:
     ranks: Future[RankStates | None] | None = None  # the other ranks' RNG states and data positions
     valid: Future[bool] | None = None  # xor's lazy snapshot: resolved at the next fence (snapshot.py)
     peer_residuals: dict[str, torch.Tensor] | None = None  # 'lowdiff' anchors: the other ranks' residuals
+    # xor in pieces (docs/capture-runtime.md "Host memory"): the live tensors the writer reads
+    # piece by piece, and their versions when the step ended (a change before they are read fails).
+    live: dict[str, torch.Tensor] | None = None
+    versions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    nbytes: int = 0  # the state's bytes (the policy's step size)
 
 
 def per_rank_statistics_note(broadcast_buffers: bool | None, statistics: list[str]) -> str | None:
@@ -358,7 +373,8 @@ class Checkpointer:
         self._compress = compress and mode == "lowdiff"
         host_budget = options.max_host_bytes if options.max_host_bytes is not None else default_max_host_bytes()
         if not self.sharded:  # a sharded model's ranks refuse together, in check() below
-            staging_sets(self.path, mode, model, optimizer, self.compressor, host_budget, queue_depth)
+            staging_sets(self.path, mode, model, optimizer, self.compressor, host_budget, queue_depth,
+                         pieces_ok=True)
         self.process_group = process_group
         self._committer: Committer | None = None
         rank_lock = None
@@ -374,7 +390,8 @@ class Checkpointer:
                 build_schema(model, optimizer, self.kind, compressor_)
                 if max_bytes is not None:
                     check_budget(max_bytes, model, optimizer, each_rank=True)
-                staging_sets(self.path, mode, model, optimizer, compressor_, host_budget, queue_depth)
+                staging_sets(self.path, mode, model, optimizer, compressor_, host_budget, queue_depth,
+                             pieces_ok=False)
 
             statistics = unsynchronized_statistics(model)
             if copy_ranks is None and statistics:
@@ -447,12 +464,14 @@ class Checkpointer:
         self._cuda = device.type == "cuda"
         self._device_type = device.type
         self.stager = Stager(device)
-        sets = staging_sets(self.path, mode, model, optimizer, self.compressor, host_budget, queue_depth, say=True)
-        self.stats.max_host_bytes, self.stats.staging_sets = host_budget, sets
+        sets, self._pieces = staging_sets(self.path, mode, model, optimizer, self.compressor, host_budget,
+                                          queue_depth, say=True, pieces_ok=not self.sharded)
+        self.stats.max_host_bytes, self.stats.staging_sets, self.stats.pieces = host_budget, sets, self._pieces
         self.pool = BufferPool(sets, pin=self._cuda, max_bytes=host_budget, stats=self.stats)
         self._lazy = LazySnapshots(self.stager)
         lazy = options.lazy_snapshot if options.lazy_snapshot is not None else self._cuda  # measured on CPU: a loss
-        self._lazy.enabled = mode == "xor" and lazy
+        self._lazy.enabled = mode == "xor" and lazy and not self._pieces  # pieces read the live state themselves
+        self._reading: threading.Event | None = None  # set once the writer has read every piece of the last step
         self._pending: _Pending | None = None
         self._last_pre: float | None = None
         self._last_step_bytes = 0
@@ -488,6 +507,8 @@ class Checkpointer:
         if encode_threads is not None:
             self.writer.encode_threads = encode_threads
         self.writer.max_bytes = max_bytes
+        if self._pieces:  # a row coded piece by piece: each tensor against its own base only
+            self.writer.predict_state = False
         if self.writer.commits:  # create() wrote the first anchor
             self.tuning.anchor_write_s = time.perf_counter() - started
         self._step = int(self.writer.last_step or 0)
@@ -654,6 +675,7 @@ class Checkpointer:
             # one (a rank died, a copy rank drifted) stops this step before it changes the state.
             self._exchanges.settle()
         self._lazy.fence()  # the optimizer is about to change what the last step's snapshot copies
+        self._hold_for_pieces()
         if self._last_pre is not None:
             self.stats.step_times.append(started - self._last_pre)
             self._account_interval(started - self._last_pre)
@@ -663,6 +685,7 @@ class Checkpointer:
         if self._pending is None or self._pending.post_done:
             if self._pending is not None:
                 self._finalize()  # the previous step, which no scheduler or scaler call closed
+                self._hold_for_pieces()
             if not self._begin_step():
                 # Kept by reference (no copy, no GPU sync) in case close() captures this step.
                 self._skipped_lrs = [group.get("lr") for group in optimizer.param_groups[:MAX_LR_GROUPS]]
@@ -741,7 +764,13 @@ class Checkpointer:
         lazy: dict[str, torch.Tensor] = {}
         if self.mode == "xor":
             live, pending.optimizer = self.writer.live_state()
-            if self._lazy.enabled:  # parameters and optimizer state: copied while the next step runs
+            pending.nbytes = sum(t.numel() * t.element_size() for t in live.values())
+            if self._pieces:  # read by the writer, piece by piece; the buffers forward changes are staged now
+                pending.live = {n: t for n, t in live.items() if n not in self._buffer_keys}
+                pending.versions = {n: (t._version, t.data_ptr()) for n, t in pending.live.items()}
+                self.stager.follow()  # the writer's copies come after the step's kernels, whatever its stream
+                lazy = pending.live
+            elif self._lazy.enabled:  # parameters and optimizer state: copied while the next step runs
                 lazy = {n: t for n, t in live.items() if n not in self._buffer_keys}
         else:
             live = live_buffers(self.model, self._buffer_names)
@@ -750,7 +779,10 @@ class Checkpointer:
         # (the copies of the pre-hook, if any, ran alongside the optimizer step).
         self.stager.mark(pending.buffers)
         self.stager.fence(pending.buffers)
-        if lazy:
+        if pending.live is not None:
+            eager.update({n: CapturedTensor(bits=np.empty(0, np.uint8), dtype=dtype_name(t.dtype),
+                                            shape=tuple(t.shape)) for n, t in pending.live.items()})
+        elif lazy:
             later, pending.valid = self._lazy.start(pending.step, lazy, pending.buffers)
             eager.update(later)
         pending.tensors.update({n: eager[n] for n in live})  # in the state's order
@@ -856,13 +888,17 @@ class Checkpointer:
             optimizer=structure,
             scratch=True,  # the staging buffers, refilled only after the writer's encoded()
         )
-        self._last_step_bytes = sum(ct.bits.nbytes for ct in pending.tensors.values())
+        self._last_step_bytes = pending.nbytes or sum(ct.bits.nbytes for ct in pending.tensors.values())
         scalars, self._scalars = self._scalars, {}
         if pending.stepped and pending.hyper is not None:  # the lr the step used; a logged lr wins
             scalars = {**step_lrs(pending.hyper, MAX_SCALARS - len(scalars)), **scalars}
         self._last_queued_at = time.monotonic()
+        pieces, self._reading = None, None
+        if pending.live is not None:
+            pieces, self._reading = self._piece_reader(pending), threading.Event()
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
-                                    pending.buffers, pending.ranks, self._last_queued_at, pending.valid))
+                                    pending.buffers, pending.ranks, self._last_queued_at, pending.valid,
+                                    pieces, self._reading))
         self._step = step
         self.cadence.captured(step)
         self.stats.captured += 1
@@ -870,6 +906,72 @@ class Checkpointer:
             self._last_anchor = step
         self.stats.steps += 1
         self.tuning.after_step(self.writer, self._last_step_bytes)
+
+    def _hold_for_pieces(self) -> None:
+        """Wait until the writer has read every piece of the last step (the live state is that
+        step's until then); raise if the writer failed meanwhile."""
+        reading, self._reading = self._reading, None
+        if reading is None:
+            return
+        started = time.perf_counter()
+        reading.wait()
+        self.stats.pieces_wait_s += time.perf_counter() - started  # part of the stall its caller times
+        self._raise_if_failed()
+
+    def _piece_reader(self, pending: _Pending) -> Callable[[list[str]], Iterator[dict[str, CapturedTensor]]]:
+        """What the writer reads a step in pieces with (:meth:`ChainWriter.append_in_pieces`), on
+        its own thread: the live tensors copied, piece by piece in the writer's order, into one
+        buffer of the step's set that fits the budget beside the buffers staged when it ended."""
+        live, versions, buffers, step = pending.live or {}, pending.versions, pending.buffers, pending.step
+        staged = {n: ct for n, ct in pending.tensors.items() if n not in live}
+        budget = self.pool.max_bytes if self.pool.max_bytes is not None else default_max_host_bytes()
+
+        def read(order: list[str]) -> Iterator[dict[str, CapturedTensor]]:
+            sizes = {n: t.numel() * t.element_size() for n, t in live.items()}
+            besides = sum(host_bytes(b.numel() * b.element_size(), buffers.pin)
+                          for n, b in buffers.tensors.items() if n != PIECES)
+            cap = arena_bytes(budget - besides, buffers.pin)
+            for name in order:
+                if sizes.get(name, 0) > cap:
+                    raise UsageError(
+                        f"{self.path}: {name} takes {sizes[name]} bytes of host memory, more than fits "
+                        f"max_host_bytes={budget} beside the {besides} bytes of buffers staged when the step ended: "
+                        "a piece holds at least one whole tensor; give CaptureOptions(max_host_bytes=...) more")
+            size = min(cap, sum(_aligned(n) for n in sizes.values()))
+            arena = buffers.buffer(PIECES, torch.empty(size, dtype=torch.uint8, device="meta"))
+            piece: dict[str, CapturedTensor] = {}
+            copied: list[str] = []
+            used = 0
+
+            def ready() -> dict[str, CapturedTensor]:
+                self.stager.sync()
+                for name in copied:  # the copy ran after the check: a change made before it is seen
+                    t = live[name]
+                    if (t._version, t.data_ptr()) != versions[name]:
+                        raise UsageError(
+                            f"{self.path}: {name} changed in place after optimizer.step() of step {step}, while "
+                            "that step's state (larger than max_host_bytes) was being captured in pieces; make "
+                            "such changes before optimizer.step()")
+                return piece
+
+            for name in order:
+                if name not in live:
+                    piece[name] = staged[name]
+                    continue
+                t, n = live[name], sizes[name]
+                at = _aligned(used)
+                if at + n > size:
+                    yield ready()
+                    piece, copied, at = {}, [], 0
+                view = arena[at:at + n].view(t.dtype).view(t.shape)
+                self.stager.copy(view, t)
+                piece[name] = CapturedTensor.of(view)
+                copied.append(name)
+                used = at + n
+            if piece:
+                yield ready()
+
+        return read
 
     def _optimizer_state_keys(self) -> frozenset[tuple[int, str]]:
         return frozenset((i, k) for i, p in enumerate(self._params) for k in self.optimizer.state.get(p, {}))
@@ -1069,14 +1171,46 @@ class Checkpointer:
         self.close()
 
 
+class HostPlan(NamedTuple):
+    """How the staging buffers fit ``max_host_bytes`` (docs/capture-runtime.md "Host memory")."""
+
+    sets: int  # buffer sets (at most queue_depth + 1)
+    pieces: bool  # xor: one set does not fit, so each step is captured in pieces
+
+
 def staging_sets(path: str, mode: Mode, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 compressor: TopK | None, max_host_bytes: int, queue_depth: int, *, say: bool = False) -> int:
-    """How many buffer sets fit ``max_host_bytes`` (at most ``queue_depth + 1``); a state of which
-    one set does not fit is refused (:class:`UsageError`), before anything is written."""
+                 compressor: TopK | None, max_host_bytes: int, queue_depth: int, *, say: bool = False,
+                 pieces_ok: bool = False) -> HostPlan:
+    """How many buffer sets fit ``max_host_bytes`` (at most ``queue_depth + 1``). A state of which
+    one set does not fit is captured in pieces in ``xor`` mode where ``pieces_ok`` (one set, read
+    through a buffer that fits); refused otherwise, or when one tensor does not fit, with a
+    :class:`UsageError` before anything is written."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     pin = bool(params) and params[0].device.type == "cuda"
     k = compressor.k_for if compressor is not None and mode == "lowdiff" else None
     one = staging_set_bytes(mode, model, optimizer, pin=pin, topk_k=k)
+    if one > max_host_bytes and mode == "xor" and pieces_ok:
+        staged = xor_staged_tensors(model, optimizer, pin=pin)
+        besides = sum(t.nbytes for t in staged if t.buffer)  # staged when the step ends, whole
+        largest = max(staged, key=lambda t: t.nbytes)
+        if largest.nbytes > max_host_bytes:
+            raise UsageError(
+                f"{path}: {largest.what} takes {largest.nbytes} bytes of host memory, more than "
+                f"max_host_bytes={max_host_bytes}: a state larger than the budget is captured in pieces, but a piece "
+                f"holds at least one whole tensor; give CaptureOptions(max_host_bytes=...) at least {largest.nbytes} "
+                "if this machine has the memory to spare, or shard the model (each rank stages its own shards)")
+        read = max((t for t in staged if not t.buffer), key=lambda t: t.nbytes, default=None)
+        if read is not None and besides + read.nbytes > max_host_bytes:
+            raise UsageError(
+                f"{path}: the model's buffers ({besides} bytes, staged whole when a step ends) and {read.what} "
+                f"({read.nbytes} bytes) take more host memory than max_host_bytes={max_host_bytes}: a state larger "
+                "than the budget is captured in pieces, but a piece holds at least one whole tensor; give "
+                f"CaptureOptions(max_host_bytes=...) at least {besides + read.nbytes}")
+        if say:
+            log.info("%s: one staging set of this state takes %d bytes, more than max_host_bytes=%d: each step is "
+                     "captured in pieces (training waits at the next optimizer step until the writer has read the "
+                     "state; no Adam prediction)", path, one, max_host_bytes)
+        return HostPlan(1, True)
     if one > max_host_bytes:
         less = ""
         if mode == "xor":
@@ -1084,15 +1218,17 @@ def staging_sets(path: str, mode: Mode, model: torch.nn.Module, optimizer: torch
             less = f"; mode='lowdiff+' stages only the gradients and buffers ({grads} bytes here)"
         what = ("the whole state, with the optimizer state its first step creates" if mode == "xor"
                 else "the gradients and buffers")
+        pieces = (" (a sharded state is not captured in pieces)" if mode == "xor"
+                  else " (only mode 'xor' captures a state in pieces)")
         raise UsageError(
             f"{path}: one staging set of this state takes {one} bytes of host memory ({mode}: {what}), more "
-            f"than max_host_bytes={max_host_bytes}; give CaptureOptions(max_host_bytes=...) at least {one} "
+            f"than max_host_bytes={max_host_bytes}{pieces}; give CaptureOptions(max_host_bytes=...) at least {one} "
             f"if this machine has the memory to spare{less}, or shard the model (each rank stages its own shards)")
     sets = max(1, min(queue_depth + 1, max_host_bytes // max(1, one)))
     if say and sets < queue_depth + 1:
         log.info("%s: %d staging set(s) of %d bytes fit max_host_bytes=%d: %d step(s) may wait for the writer "
                  "instead of queue_depth=%d", path, sets, one, max_host_bytes, sets - 1, queue_depth)
-    return sets
+    return HostPlan(sets, False)
 
 
 def _one_way(given: dict[str, object], name: str, keyword: T, default: T) -> T:

@@ -56,6 +56,14 @@ class BufferSet:
             self.nbytes += nbytes
 
 
+def arena_bytes(available: int, pin: bool) -> int:
+    """The largest buffer of at most ``available`` host bytes as the budget counts it: a pinned
+    one is a power of two (:func:`host_bytes`)."""
+    if available < 1:
+        return 0
+    return 1 << (available.bit_length() - 1) if pin else available
+
+
 def host_bytes(nbytes: int, pin: bool) -> int:
     """The host memory a buffer of ``nbytes`` takes: PyTorch's pinned allocator rounds each
     block up to a power of two, so a pinned buffer is counted at that size."""
@@ -94,6 +102,17 @@ class Stager:
         """
         if buffers.event is not None and self.device is not None:
             torch.cuda.current_stream(self.device).wait_event(buffers.event)
+
+    def follow(self) -> None:
+        """Order the copies queued from here on (from any thread) after the work queued so far on
+        the calling thread's stream: the step whose state another thread will copy."""
+        if self.stream is not None and self.device is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def sync(self) -> None:
+        """Wait until every copy queued so far has run (a piece, read by the writer's thread)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     @staticmethod
     def wait(buffers: BufferSet) -> None:

@@ -78,6 +78,8 @@ class CaptureStats:
     host_bytes: int = 0  # allocated now, every buffer set together
     host_bytes_peak: int = 0  # the most ever allocated at once
     staging_sets: int = 0  # buffer sets the budget allows (at most queue_depth + 1)
+    pieces: bool = False  # an xor state larger than the budget, captured in pieces
+    pieces_wait_s: float = 0.0  # part of stall_s: training held until the writer had read every piece
 
     @property
     def seconds_at_risk(self) -> float:
@@ -115,6 +117,8 @@ class CaptureStats:
             "host_bytes": self.host_bytes,
             "host_bytes_peak": self.host_bytes_peak,
             "staging_sets": self.staging_sets,
+            "pieces": self.pieces,
+            "pieces_wait_s": self.pieces_wait_s,
         }
 
 
@@ -187,6 +191,9 @@ def staging_set_bytes(mode: str, model: torch.nn.Module, optimizer: torch.optim.
     ``xor`` the whole state, including the optimizer state not created yet (:data:`LAZY_STATE`);
     ``lowdiff+`` every gradient and the buffers; ``lowdiff`` (``topk_k``: the entries kept of a
     gradient of n) the kept values, their int64 indices and the buffers."""
+    if mode == "xor":
+        return sum(t.nbytes for t in xor_staged_tensors(model, optimizer, pin=pin))
+
     def size(t: torch.Tensor) -> int:
         t = local(t)
         return host_bytes(t.numel() * t.element_size(), pin)
@@ -197,17 +204,44 @@ def staging_set_bytes(mode: str, model: torch.nn.Module, optimizer: torch.optim.
     for t in model.state_dict(keep_vars=True).values():  # tied weights: one entry
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
-            if not isinstance(t, torch.nn.Parameter) or mode == "xor":
-                total += size(t)  # buffers, and for xor the parameters the optimizer does not hold
-    if mode != "xor":
-        for p in params:
-            t = local(p)
-            if mode == "lowdiff" and topk_k is not None:
-                k = topk_k(t.numel())
-                total += host_bytes(k * t.element_size(), pin) + host_bytes(k * 8, pin)
-            else:
-                total += size(p)
-        return total
+            if not isinstance(t, torch.nn.Parameter):
+                total += size(t)  # buffers
+    for p in params:
+        t = local(p)
+        if mode == "lowdiff" and topk_k is not None:
+            k = topk_k(t.numel())
+            total += host_bytes(k * t.element_size(), pin) + host_bytes(k * 8, pin)
+        else:
+            total += size(p)
+    return total
+
+
+@dataclass(frozen=True)
+class Staged:
+    """One tensor an ``xor`` step stages, as :func:`xor_staged_tensors` estimates it."""
+
+    what: str  # its stored name, or what it will be (optimizer state the first step creates)
+    nbytes: int  # host bytes, as the budget counts them
+    buffer: bool  # a model buffer: forward may change it, so it is staged when the step ends
+
+
+def xor_staged_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, pin: bool) -> list[Staged]:
+    """Every tensor one ``xor`` set stages: the whole state, including the optimizer state not
+    created yet (:data:`LAZY_STATE`)."""
+    def size(t: torch.Tensor) -> int:
+        t = local(t)
+        return host_bytes(t.numel() * t.element_size(), pin)
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    seen = {id(p) for p in params}
+    keys: dict[int, str] = {}
+    out: list[Staged] = []
+    for key, t in model.state_dict(keep_vars=True).items():  # tied weights: one entry
+        if isinstance(t, torch.Tensor):
+            keys.setdefault(id(t), f"model/{key}")
+            if id(t) not in seen:
+                seen.add(id(t))  # buffers, and the parameters the optimizer does not hold
+                out.append(Staged(f"model/{key}", size(t), not isinstance(t, torch.nn.Parameter)))
     lazy = LAZY_STATE.get(type(optimizer).__name__, 2)
     # torch.optim keeps the state in the parameter's dtype; other classes often keep a low-precision
     # parameter's state in float32 (timm's AdaBelief, Adafactor).
@@ -227,13 +261,16 @@ def staging_set_bytes(mode: str, model: torch.nn.Module, optimizer: torch.optim.
         if type(optimizer).__name__ == "RMSprop" and group.get("momentum"):
             extra += 1
         for p in group["params"]:
-            total += size(p)
+            name = keys.get(id(p), "a parameter")
+            out.append(Staged(name, size(p), False))
             state = optimizer.state.get(p)
             if state:
-                total += sum(size(v) for v in state.values() if isinstance(v, torch.Tensor))
-            else:  # created at the first step: estimated, the runtime's pool still holds to the budget
-                total += extra * state_size(p) + (SCALAR_STATE_BYTES if extra else 0)
-    return total
+                out += [Staged(f"the optimizer's {k!r} of {name}", size(v), False)
+                        for k, v in state.items() if isinstance(v, torch.Tensor)]
+            elif extra:  # created at the first step: estimated, the runtime's pool still holds to the budget
+                out += [Staged(f"the optimizer state of {name}", state_size(p), False)] * extra
+                out.append(Staged(f"the optimizer's scalar state of {name}", SCALAR_STATE_BYTES, False))
+    return out
 
 
 def positive_interval(value: object, name: str) -> int:
