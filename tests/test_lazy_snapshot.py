@@ -3,7 +3,8 @@ optimizer state are copied while the next step runs. An in-place change of a par
 optimizer state tensor or a BatchNorm buffer at any point between two steps never gives a
 wrong checkpoint: every committed step is bit-exact with the live state when its
 ``optimizer.step()`` returned, and a step whose snapshot a change invalidated is dropped. A
-step is checked as soon as its copy is done, so it becomes durable without the next step."""
+step is checked on the training thread, at the next optimizer step or, once its copy is done,
+as a forward pass starts: it becomes durable while training evaluates after it."""
 
 from __future__ import annotations
 
@@ -93,9 +94,9 @@ def test_changes_in_place_between_steps_never_give_a_wrong_checkpoint(tmp_path: 
     ck, refs = run(tmp_path / "chain", device, target, point)
     reader = ChainReader(tmp_path / "chain")
     # A parameter or optimizer state changed before the copy was checked invalidates that step's
-    # snapshot; after the check, the copy is done and the step is kept. Which one happens depends
-    # on timing: either is right, as long as a kept step is exact. A buffer is copied before the
-    # step ends, so its change belongs to the next step.
+    # snapshot; after a check that found the copy done (as the next forward starts), it is kept.
+    # Which one happens depends on timing: either is right, as long as a kept step is exact. A
+    # buffer is copied before the step ends, so its change belongs to the next step.
     possible = [[EDITED_STEP], []] if target != "batchnorm-buffer" else [[]]
     assert ck._lazy.dropped in possible
     assert ck._lazy.enabled == (not ck._lazy.dropped)
@@ -118,18 +119,22 @@ def test_without_changes_every_step_is_copied_lazily_and_exact(tmp_path: Path, d
 WAIT_S = 30.0  # a bound for what takes milliseconds, on a loaded machine
 
 
-def wait_durable(ck: Any, step: int) -> None:
-    """Poll, without calling into the checkpointer's training-side hooks, until ``step`` is committed."""
+def evaluate_until_durable(ck: Any, model: TinyNet, step: int) -> None:
+    """An evaluation loop (forward passes, no optimizer step) until ``step`` is committed."""
     deadline = time.monotonic() + WAIT_S
-    while ck.durable_step != step:
-        assert time.monotonic() < deadline, f"step {step} not durable after {WAIT_S} s (durable: {ck.durable_step})"
-        time.sleep(0.005)
+    model.eval()
+    with torch.no_grad():
+        while ck.durable_step != step:
+            assert time.monotonic() < deadline, f"step {step} not durable after {WAIT_S} s ({ck.durable_step})"
+            model(batch(0)[0])
+            time.sleep(0.005)
+    model.train()
 
 
 def test_a_step_is_durable_while_training_pauses_after_it(tmp_path: Path) -> None:
-    # The training loop stops after a step (evaluation, a data stall): no next optimizer step,
-    # no flush. The step's snapshot is checked once its copy is done, so the background writer
-    # commits it meanwhile.
+    # The training loop evaluates after a step: no next optimizer step, no flush. The step's
+    # snapshot is checked as a forward pass starts once its copy is done, so the background
+    # writer commits it meanwhile.
     torch.manual_seed(0)
     model = TinyNet()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -142,7 +147,8 @@ def test_a_step_is_durable_while_training_pauses_after_it(tmp_path: Path) -> Non
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
         want = on_cpu(snapshot(model, opt))
-        wait_durable(ck, 3)
+        assert ck.durable_step is None or ck.durable_step < 3  # no forward pass yet: not checked
+        evaluate_until_durable(ck, model, 3)
         assert ck._lazy.dropped == [] and ck._lazy.enabled
         assert_state_bits_equal(ChainReader(tmp_path / "chain").materialize(3), want, "step 3")
     finally:
@@ -153,7 +159,7 @@ def test_a_step_is_durable_while_training_pauses_after_it(tmp_path: Path) -> Non
 def test_a_change_after_the_copy_was_checked_keeps_the_step(tmp_path: Path, target: str) -> None:
     def pause_then_edit(step: int, model: TinyNet, opt: torch.optim.Optimizer, ck: Any) -> None:
         if step == EDITED_STEP:
-            wait_durable(ck, EDITED_STEP)  # checked and written: the copy was done before the edit
+            evaluate_until_durable(ck, model, EDITED_STEP)  # checked and written: the copy was done before the edit
             edit(model, opt, target)
 
     ck, refs = run(tmp_path / "chain", "cpu", None, None, after_step=pause_then_edit, batch_steps=1)
@@ -209,10 +215,23 @@ def test_a_copy_error_reaches_valid_and_the_fence(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(lazy_snapshot, "_copy_all", failing)
     lazy = lazy_snapshot.LazySnapshots(Stager(torch.device("cpu")))
     _, valid = lazy.start(1, {"model/w": torch.ones(3)}, BufferSet(pin=False))
-    assert isinstance(valid.exception(timeout=WAIT_S), RuntimeError)
+    settle_until_copied(lazy)  # a failed copy is not settled: the fence raises its error
+    assert not valid.done()
     with pytest.raises(RuntimeError, match="copy failed"):
         lazy.fence()
+    assert isinstance(valid.exception(), RuntimeError)
     lazy.close()
+
+
+def settle_until_copied(lazy: lazy_snapshot.LazySnapshots) -> None:
+    snap = lazy._open
+    assert snap is not None and snap.copied is not None
+    deadline = time.monotonic() + WAIT_S
+    while not snap.copied.done():
+        assert time.monotonic() < deadline
+        lazy.settle()
+        time.sleep(0.001)
+    lazy.settle()
 
 
 def test_valid_is_resolved_once_and_buffers_are_reused() -> None:
@@ -220,14 +239,40 @@ def test_valid_is_resolved_once_and_buffers_are_reused() -> None:
     buffers = BufferSet(pin=False)
     w, m = torch.arange(4.0), torch.full((2, 2), 3.0)
     first, valid = lazy.start(1, {"model/w": w, "optimizer/m": m}, buffers)
-    assert valid.result(timeout=WAIT_S)  # resolved by the copy thread, before any fence
+    settle_until_copied(lazy)
+    assert valid.done() and valid.result()  # resolved by settle, before any fence
     w.add_(1.0)  # after the check: the copy is done and keeps step 1's values
     lazy.fence()  # resolves nothing twice
     assert valid.result() and lazy.dropped == [] and lazy.enabled
     assert first["model/w"].to_tensor().tolist() == [0.0, 1.0, 2.0, 3.0]
     # The next step reuses the buffers and what wraps them; a tensor whose shape changed gets a new buffer.
     second, valid = lazy.start(2, {"model/w": w, "optimizer/m": torch.zeros(3)}, buffers)
-    assert valid.result(timeout=WAIT_S)
+    lazy.fence()
+    assert valid.result()
     assert second["model/w"] is first["model/w"] and buffers.tensors["model/w"].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert second["optimizer/m"].shape == (3,) and second["optimizer/m"].to_tensor().tolist() == [0.0] * 3
+    lazy.close()
+
+
+def test_settle_never_resolves_a_copy_still_running_and_sees_a_change_before_it() -> None:
+    held = threading.Event()
+    lazy = lazy_snapshot.LazySnapshots(Stager(torch.device("cpu")))
+    w = torch.arange(4.0)
+    _, valid = lazy.start(1, {"model/w": w}, BufferSet(pin=False))
+    snap = lazy._open
+    assert snap is not None and snap.copied is not None
+    snap.copied.result(timeout=WAIT_S)
+    blocker = lazy._executor.submit(held.wait, WAIT_S) if lazy._executor is not None else None
+    # A second snapshot whose copy queues behind the blocker: settle must leave it open.
+    lazy.fence()
+    assert valid.result()
+    _, second = lazy.start(2, {"model/w": w}, BufferSet(pin=False))
+    lazy.settle()
+    assert not second.done(), "settled while the copy had not run"
+    w.mul_(2.0)  # a change before any check: the step is dropped, whatever the copy holds
+    held.set()
+    assert blocker is not None
+    blocker.result(timeout=WAIT_S)
+    settle_until_copied(lazy)
+    assert second.result() is False and lazy.dropped == [2] and not lazy.enabled
     lazy.close()

@@ -542,6 +542,8 @@ class Checkpointer:
         self._hooks = Hooks()
         self._hooks.add(optimizer.register_step_pre_hook(self._pre_hook))
         self._hooks.add(optimizer.register_step_post_hook(self._post_hook))
+        if self._lazy.enabled:  # a lazy snapshot is checked, and can be written, once a forward pass starts
+            self._hooks.add(model.register_forward_pre_hook(lambda module, args: self._lazy.settle()))
         if stage_during_backward is None:
             stage_during_backward = self._cuda
         if mode == "lowdiff+" and stage_during_backward:

@@ -15,28 +15,20 @@ rather than recorded wrong; but see the last paragraph) and every later step is 
 it ends instead. Changes made through ``.data`` bypass version counters: make them before
 ``optimizer.step()``.
 
-**When the step is known valid.** As soon as its copies have completed: the copy thread, or
-on CUDA a thread that waits for the side stream's event, then compares the versions with those
-at the step's end and resolves ``valid``. The background writer need not wait for the next
-step, so a step becomes durable while training pauses after it (evaluation, a data stall). A
-change seen by that check may have raced the copy: the step is dropped. A change made after
-the check cannot reach the snapshot, whose copies had completed (on CUDA a version counter
-moves when the in-place kernel is enqueued, so a kernel enqueued after the check runs after
-the copies). The next optimizer pre-hook still fences: on CUDA the training stream waits there
-for the copies before the optimizer changes the state, without CUDA the training thread waits
-for the copy thread, and a snapshot not checked yet is checked there (changes from then on
-are ordered after the copies).
-
-What the check cannot see is an in-place op still inside its call on the training thread: the
-counter moves once the op has run (without CUDA) or been enqueued (CUDA). On CUDA that window
-is a few host instructions; without CUDA it is the op's run time, so an op that began while
-the copy ran and still runs at the check can leave part of its change in a recorded step.
+**When the step is known valid.** Only the training thread checks the versions: there every
+in-place op it started has run (without CUDA) or been enqueued (CUDA), so its counter has
+moved. A thread that checked while an op still ran could miss it and record a mix. The check
+runs at the next optimizer pre-hook (the fence, which waits for what is left of the copies;
+on CUDA the training stream waits for them), before the runtime takes a buffer set, flushes or
+closes, and at the start of every forward pass once the copies have completed
+(:meth:`LazySnapshots.settle`, without waiting): so a step becomes durable while training
+evaluates after it. A change seen by a check may have raced the copy: the step is dropped. A
+change after a check that found the copies complete cannot reach them.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -57,8 +49,8 @@ class _Open:
     names: list[str]
     tensors: list[torch.Tensor]
     versions: list[tuple[int, int]]
-    valid: Future[bool]  # whether the copies hold the step's state: resolved once, by _check or _fail
-    copied: Future[None] | None = None  # without CUDA: the copy thread's job (copy, then check)
+    valid: Future[bool]  # whether the copies hold the step's state: resolved once, on the training thread
+    copied: Future[None] | None = None  # without CUDA: the copy thread's job
     event: torch.cuda.Event | None = None  # CUDA: recorded after the side stream's copies
 
 
@@ -67,7 +59,7 @@ class LazySnapshots:
 
     One snapshot is open at a time: the step that ended last. The background writer waits
     for ``valid`` before it reads the buffers, and drops the step when it is ``False``.
-    ``enabled`` and ``dropped`` may change on the snapshot thread.
+    ``valid``, ``enabled`` and ``dropped`` change on the training thread only.
     """
 
     def __init__(self, stager: Stager) -> None:
@@ -76,7 +68,6 @@ class LazySnapshots:
         self.dropped: list[int] = []  # steps whose snapshot a change invalidated
         self._executor: ThreadPoolExecutor | None = None
         self._open: _Open | None = None
-        self._lock = threading.Lock()  # the snapshot thread and the fence may both try to resolve valid
         # Per buffer set, each name's buffer and its CapturedTensor: wrapping a buffer costs more
         # than copying a small tensor, and the buffers are reused from step to step.
         self._wrapped: weakref.WeakKeyDictionary[BufferSet, dict[str, tuple[torch.Tensor, CapturedTensor]]] = (
@@ -96,17 +87,16 @@ class LazySnapshots:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ldformat-snapshot")
         if self.stager.cuda:
             snap.event = self._copy_on_stream(targets, live, buffers)
-            self._executor.submit(self._check_when_copied, snap)
         else:
             # Submitted last: the copy thread would otherwise contend for the GIL with the loops above.
-            snap.copied = self._executor.submit(self._copy_and_check, snap, targets)
+            snap.copied = self._executor.submit(_copy_all, targets, snap.tensors)
         self._open = snap
         return captured, snap.valid
 
     def fence(self) -> None:
         """Make sure the open snapshot's copies are done before anything changes the state (on
-        CUDA: make the training's stream wait for them), and resolve its ``valid`` if the
-        snapshot thread has not yet. Runs at the next optimizer pre-hook, and before the
+        CUDA: make the training's stream wait for them), and resolve its ``valid`` unless
+        :meth:`settle` has. Runs at the next optimizer pre-hook, and before the
         runtime takes a buffer set, flushes or closes."""
         snap, self._open = self._open, None
         if snap is None:
@@ -117,12 +107,22 @@ class LazySnapshots:
             if snap.event is not None and self.stager.device is not None:
                 torch.cuda.current_stream(self.stager.device).wait_event(snap.event)
         except BaseException as e:
-            self._fail(snap, e)
+            if not snap.valid.done():
+                snap.valid.set_exception(e)
             raise
         self._check(snap)
-        error = snap.valid.exception()
-        if error is not None:  # the snapshot thread's
-            raise error
+
+    def settle(self) -> None:
+        """Resolve the open snapshot's ``valid`` if its copies have completed, without waiting
+        (the runtime calls it as a forward pass starts: a step's state becomes durable while
+        training evaluates after it). The fence still runs at the next optimizer pre-hook."""
+        snap = self._open
+        if snap is None or snap.valid.done():
+            return
+        done = snap.event.query() if snap.event is not None else (  # type: ignore[no-untyped-call]
+            snap.copied is not None and snap.copied.done())
+        if done and (snap.copied is None or snap.copied.exception() is None):
+            self._check(snap)
 
     def close(self) -> None:
         self.fence()
@@ -177,51 +177,26 @@ class LazySnapshots:
         buffers.event = event  # what Stager.mark records; the background writer waits for it too
         return event
 
-    def _copy_and_check(self, snap: _Open, targets: list[torch.Tensor]) -> None:
-        """The copy thread's job without CUDA."""
-        try:
-            _copy_all(targets, snap.tensors)
-        except BaseException as e:
-            self._fail(snap, e)
-            raise
-        self._check(snap)
-
-    def _check_when_copied(self, snap: _Open) -> None:
-        """The snapshot thread's job with CUDA: once the side stream's copies have run."""
-        assert snap.event is not None
-        try:
-            snap.event.synchronize()
-        except BaseException as e:
-            self._fail(snap, e)
-            raise
-        self._check(snap)
-
     def _check(self, snap: _Open) -> None:
-        """Resolve ``valid`` from the versions now, unless it is resolved already."""
-        with self._lock:
-            if snap.valid.done():
-                return
-            try:
-                changed = [name for name, t, seen in zip(snap.names, snap.tensors, snap.versions, strict=True)
-                           if (t._version, t.data_ptr()) != seen]
-            except BaseException as e:
-                snap.valid.set_exception(e)
-                raise
-            if changed:  # before valid: whoever waits for it sees them
-                self.enabled = False
-                self.dropped.append(snap.step)
-            snap.valid.set_result(not changed)
+        """Resolve ``valid`` from the versions now (on the training thread), unless it is resolved already."""
+        if snap.valid.done():
+            return
+        try:
+            changed = [name for name, t, seen in zip(snap.names, snap.tensors, snap.versions, strict=True)
+                       if (t._version, t.data_ptr()) != seen]
+        except BaseException as e:
+            snap.valid.set_exception(e)
+            raise
+        if changed:  # before valid: whoever waits for it sees them
+            self.enabled = False
+            self.dropped.append(snap.step)
+        snap.valid.set_result(not changed)
         if changed:
             log.warning("ldformat: %s changed in place after optimizer.step() of step %d, before the copy of its "
                         "state was done: that step is not recorded (its snapshot may mix both states), and from now "
                         "on each step's state is copied before optimizer.step() returns (docs/capture-runtime.md "
                         "\"Lazy snapshot\")", ", ".join(changed[:3]) + (" ..." if len(changed) > 3 else ""),
                         snap.step)
-
-    def _fail(self, snap: _Open, error: BaseException) -> None:
-        with self._lock:
-            if not snap.valid.done():
-                snap.valid.set_exception(error)
 
 
 def _copy_all(targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
