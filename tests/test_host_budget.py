@@ -219,8 +219,8 @@ def test_a_change_in_place_after_the_step_fails_the_capture_in_pieces_rather_tha
     reading = threading.Event()
     real = ck._piece_reader
 
-    def slow(pending: Any) -> Any:  # the writer waits before reading: the change comes first
-        read = real(pending)
+    def slow(*args: Any) -> Any:  # the writer waits before reading: the change comes first
+        read = real(*args)
 
         def wait_then_read(order: list[str]) -> Any:
             reading.set()
@@ -275,3 +275,46 @@ def test_the_pool_retires_sets_when_a_set_outgrows_the_estimate() -> None:
     assert pool.bytes == 800 and "z" not in b.tensors
     b.buffer("y", torch.zeros(50, dtype=torch.float32))  # reallocated smaller: the old buffer is given back first
     assert pool.bytes == 600 and pool.peak == 800
+
+
+def test_a_change_the_writer_cannot_see_is_judged_on_the_training_thread(tmp_path: Path) -> None:
+    """The writer's own version checks run on its thread, where an in-place op the training
+    thread is still inside has not moved its counter yet. Modelled here by a change through
+    ``.data`` while the writer reads, whose counter moves only after the read: the training
+    thread's verdict refuses the row, so the step is never committed with a mix."""
+    path = tmp_path / "chain"
+    model, opt = objects()
+    budget, _ = pieces_budget(model, opt)
+    ck = ldformat.Checkpointer(path, model, opt, anchor_every=50, batch_steps=1,
+                               options=CaptureOptions(max_host_bytes=budget, capture_every=1))
+    train_step(model, opt, 1)
+    ck.flush()
+    release, reading = threading.Event(), threading.Event()
+    real = ck._piece_reader
+
+    def gated(*args: Any) -> Any:
+        read = real(*args)
+
+        def wait_then_read(order: list[str]) -> Any:
+            reading.set()
+            release.wait(10)
+            yield from read(order)
+
+        return wait_then_read
+
+    ck._piece_reader = gated  # type: ignore[method-assign]
+    train_step(model, opt, 2)
+    assert reading.wait(10)
+    model.hidden.weight.data.mul_(0.5)  # no counter moves: the writer's checks pass
+    release.set()
+    deadline = time.monotonic() + 10
+    while ck._reading is not None and not ck._reading.is_set():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with torch.no_grad():
+        model.hidden.weight.add_(0.0)  # the op's counter moves after the writer's check
+    with pytest.raises(ldformat.LdformatError, match=r"model/hidden.weight changed in place after optimizer.step"):
+        train_step(model, opt, 3)
+    with pytest.raises(ldformat.LdformatError):
+        ck.close()
+    assert ChainReader(path).steps == [0, 1]

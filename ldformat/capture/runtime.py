@@ -472,6 +472,9 @@ class Checkpointer:
         lazy = options.lazy_snapshot if options.lazy_snapshot is not None else self._cuda  # measured on CPU: a loss
         self._lazy.enabled = mode == "xor" and lazy and not self._pieces  # pieces read the live state themselves
         self._reading: threading.Event | None = None  # set once the writer has read every piece of the last step
+        # The last step read in pieces: the live tensors, their versions when it ended, and the
+        # training thread's verdict on them, which the writer waits for before the row counts.
+        self._judging: tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]], Future[list[str]]] | None = None
         self._pending: _Pending | None = None
         self._last_pre: float | None = None
         self._last_step_bytes = 0
@@ -542,8 +545,8 @@ class Checkpointer:
         self._hooks = Hooks()
         self._hooks.add(optimizer.register_step_pre_hook(self._pre_hook))
         self._hooks.add(optimizer.register_step_post_hook(self._post_hook))
-        if self._lazy.enabled:  # a lazy snapshot is checked, and can be written, once a forward pass starts
-            self._hooks.add(model.register_forward_pre_hook(lambda module, args: self._lazy.settle()))
+        if self._lazy.enabled or self._pieces:  # the last step can be judged, and written, as a forward pass starts
+            self._hooks.add(model.register_forward_pre_hook(lambda module, args: self._settle()))
         if stage_during_backward is None:
             stage_during_backward = self._cuda
         if mode == "lowdiff+" and stage_during_backward:
@@ -659,7 +662,8 @@ class Checkpointer:
             return self._pending.buffers
         if self._pending is not None:  # the previous step was never finalized by a wrapper
             self._finalize()
-        self._lazy.fence()  # before waiting for a buffer set: the background writer may wait for it
+        self._lazy.fence()  # before waiting for a buffer set: the background writer may wait for it ...
+        self._hold_for_pieces()  # ... or for the verdict on a step read in pieces
         buffers, waited = self.pool.acquire()
         self.stats.backpressure_s += waited  # part of the stall its caller times
         self._pending = _Pending(step=self._step + 1, buffers=buffers, stepped=True)
@@ -895,12 +899,16 @@ class Checkpointer:
         if pending.stepped and pending.hyper is not None:  # the lr the step used; a logged lr wins
             scalars = {**step_lrs(pending.hyper, MAX_SCALARS - len(scalars)), **scalars}
         self._last_queued_at = time.monotonic()
-        pieces, self._reading = None, None
+        self._hold_for_pieces()  # the step before, if it was read in pieces: judged before its verdict is replaced
+        pieces, reading, judging = None, None, None
         if pending.live is not None:
-            pieces, self._reading = self._piece_reader(pending), threading.Event()
+            verdict: Future[list[str]] = Future()
+            reading, judging = threading.Event(), (pending.live, pending.versions, verdict)
+            pieces = self._piece_reader(pending, reading, verdict)
         self._background.put(Queued(captured, self._raw_extra(pending.rng, pending.data, scalars=scalars),
                                     pending.buffers, pending.ranks, self._last_queued_at, pending.valid,
-                                    pieces, self._reading))
+                                    pieces, reading))
+        self._reading, self._judging = reading, judging  # once queued: the writer sets reading
         self._step = step
         self.cadence.captured(step)
         self.stats.captured += 1
@@ -909,18 +917,34 @@ class Checkpointer:
         self.stats.steps += 1
         self.tuning.after_step(self.writer, self._last_step_bytes)
 
-    def _hold_for_pieces(self) -> None:
+    def _hold_for_pieces(self, wait: bool = True, raise_failed: bool = True) -> None:
         """Wait until the writer has read every piece of the last step (the live state is that
-        step's until then); raise if the writer failed meanwhile."""
-        reading, self._reading = self._reading, None
-        if reading is None:
+        step's until then), then judge whether the state changed meanwhile; raise if the writer
+        failed. ``wait=False`` (as a forward pass starts): only if the reading is done already."""
+        reading = self._reading
+        if reading is None or not (wait or reading.is_set()):
             return
+        self._reading = None
         started = time.perf_counter()
         reading.wait()
         self.stats.pieces_wait_s += time.perf_counter() - started  # part of the stall its caller times
-        self._raise_if_failed()
+        judging, self._judging = self._judging, None
+        if judging is not None:
+            # Here, on the training thread, every in-place op it began has run and moved its
+            # tensor's version counter; the writer's own checks cannot see one still running.
+            live, versions, verdict = judging
+            verdict.set_result([n for n, t in live.items() if (t._version, t.data_ptr()) != versions[n]])
+        if raise_failed:
+            self._raise_if_failed()
 
-    def _piece_reader(self, pending: _Pending) -> Callable[[list[str]], Iterator[dict[str, CapturedTensor]]]:
+    def _settle(self) -> None:
+        """As a forward pass starts: the last step's lazy snapshot or pieces are judged if their
+        copies are done, without waiting, so that the writer can commit the step meanwhile."""
+        self._lazy.settle()
+        self._hold_for_pieces(wait=False)
+
+    def _piece_reader(self, pending: _Pending, reading: threading.Event, verdict: Future[list[str]]
+                      ) -> Callable[[list[str]], Iterator[dict[str, CapturedTensor]]]:
         """What the writer reads a step in pieces with (:meth:`ChainWriter.append_in_pieces`), on
         its own thread: the live tensors copied, piece by piece in the writer's order, into one
         buffer of the step's set that fits the budget beside the buffers staged when it ended."""
@@ -972,6 +996,15 @@ class Checkpointer:
                 used = at + n
             if piece:
                 yield ready()
+            # Training may go on; the row counts only once the training thread found the state
+            # unchanged while it was read (see _hold_for_pieces).
+            reading.set()
+            changed = verdict.result()
+            if changed:
+                raise UsageError(
+                    f"{self.path}: {', '.join(changed[:3])} changed in place after optimizer.step() of step {step}, "
+                    "while that step's state (larger than max_host_bytes) was being captured in pieces; make such "
+                    "changes before optimizer.step()")
 
         return read
 
@@ -1033,6 +1066,7 @@ class Checkpointer:
             self._finalize()
         self._capture_live()
         self._lazy.fence()
+        self._hold_for_pieces()  # the writer waits for the training thread's verdict on a step read in pieces
         self._background.join()
         self._raise_if_failed()
         step = self.writer.commit()
@@ -1048,6 +1082,7 @@ class Checkpointer:
         if (self.mode != "xor" or self._pending is not None or self._skipping is not None
                 or (self._step <= self.cadence.last_captured and self._step not in self._lazy.dropped)):
             return
+        self._hold_for_pieces()  # the writer may wait for its verdict before it hands the set back
         buffers, waited = self.pool.acquire()
         self.stats.backpressure_s += waited
         self._pending = _Pending(step=self._step, buffers=buffers, stepped=True)
@@ -1111,6 +1146,7 @@ class Checkpointer:
                 failed = e
         finally:
             self._closed = True
+            self._hold_for_pieces(raise_failed=False)  # the writer waits for it; a failure is raised below
             self._lazy.close()
             self._background.stop()
             self._hooks.remove()
