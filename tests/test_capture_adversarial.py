@@ -28,15 +28,7 @@ from ldformat.capture.cadence import Cadence
 from ldformat.capture.staging import BufferPool, host_bytes
 from ldformat.capture.tuning import staging_set_bytes
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread: None) -> None:
-    pass
-
-
-@pytest.fixture(autouse=True)
-def _close_leftover_checkpointers(close_leftover_checkpointers: None) -> None:
-    pass
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "close_leftover_checkpointers")
 
 
 def step(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> None:

@@ -20,15 +20,7 @@ from ldformat.capture import cadence
 from ldformat.stores import LocalStore
 from ldformat.stores.faults import FaultyStore
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread: None) -> None:
-    pass
-
-
-@pytest.fixture(autouse=True)
-def _close_leftover_checkpointers(close_leftover_checkpointers: None) -> None:
-    pass
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "close_leftover_checkpointers")
 
 
 OPTIMIZERS: dict[str, Any] = {

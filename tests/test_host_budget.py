@@ -22,15 +22,7 @@ from ldformat import CaptureOptions, ChainReader, UsageError
 from ldformat.capture.staging import BufferPool
 from ldformat.capture.tuning import default_max_host_bytes, staging_set_bytes, xor_staged_tensors
 
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_torch_thread: None) -> None:
-    pass
-
-
-@pytest.fixture(autouse=True)
-def _close_leftover_checkpointers(close_leftover_checkpointers: None) -> None:
-    pass
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "close_leftover_checkpointers")
 
 
 def objects() -> tuple[TinyNet, torch.optim.Optimizer]:
@@ -206,20 +198,13 @@ def test_a_tensor_larger_than_the_budget_and_gradient_modes_over_it_are_refused_
     assert_state_bits_equal(ChainReader(tmp_path / "xor").materialize(3), snapshot(model, opt), "xor, 3 steps on")
 
 
-def test_a_change_in_place_after_the_step_fails_the_capture_in_pieces_rather_than_record_a_mix(
-        tmp_path: Path) -> None:
-    path = tmp_path / "chain"
-    model, opt = objects()
-    budget, _ = pieces_budget(model, opt)
-    ck = ldformat.Checkpointer(path, model, opt, anchor_every=50, batch_steps=1,
-                               options=CaptureOptions(max_host_bytes=budget, capture_every=1))
-    train_step(model, opt, 1)
-    ck.flush()
-    release = threading.Event()
-    reading = threading.Event()
+def gate_the_reader(ck: ldformat.Checkpointer) -> tuple[threading.Event, threading.Event]:
+    """Make the writer wait before it reads a step's pieces: ``reading`` is set when it is about
+    to read, and it reads once ``release`` is set."""
+    reading, release = threading.Event(), threading.Event()
     real = ck._piece_reader
 
-    def slow(*args: Any) -> Any:  # the writer waits before reading: the change comes first
+    def gated(*args: Any) -> Any:
         read = real(*args)
 
         def wait_then_read(order: list[str]) -> Any:
@@ -229,7 +214,20 @@ def test_a_change_in_place_after_the_step_fails_the_capture_in_pieces_rather_tha
 
         return wait_then_read
 
-    ck._piece_reader = slow  # type: ignore[method-assign]
+    ck._piece_reader = gated  # type: ignore[method-assign]
+    return reading, release
+
+
+def test_a_change_in_place_after_the_step_fails_the_capture_in_pieces_rather_than_record_a_mix(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chain"
+    model, opt = objects()
+    budget, _ = pieces_budget(model, opt)
+    ck = ldformat.Checkpointer(path, model, opt, anchor_every=50, batch_steps=1,
+                               options=CaptureOptions(max_host_bytes=budget, capture_every=1))
+    train_step(model, opt, 1)
+    ck.flush()
+    reading, release = gate_the_reader(ck)  # the writer waits before reading: the change comes first
     train_step(model, opt, 2)
     assert reading.wait(10)
     with torch.no_grad():
@@ -289,20 +287,7 @@ def test_a_change_the_writer_cannot_see_is_judged_on_the_training_thread(tmp_pat
                                options=CaptureOptions(max_host_bytes=budget, capture_every=1))
     train_step(model, opt, 1)
     ck.flush()
-    release, reading = threading.Event(), threading.Event()
-    real = ck._piece_reader
-
-    def gated(*args: Any) -> Any:
-        read = real(*args)
-
-        def wait_then_read(order: list[str]) -> Any:
-            reading.set()
-            release.wait(10)
-            yield from read(order)
-
-        return wait_then_read
-
-    ck._piece_reader = gated  # type: ignore[method-assign]
+    reading, release = gate_the_reader(ck)
     train_step(model, opt, 2)
     assert reading.wait(10)
     model.hidden.weight.data.mul_(0.5)  # no counter moves: the writer's checks pass
