@@ -218,18 +218,26 @@ def gate_the_reader(ck: ldformat.Checkpointer) -> tuple[threading.Event, threadi
     return reading, release
 
 
-def test_a_change_in_place_after_the_step_fails_the_capture_in_pieces_rather_than_record_a_mix(
-        tmp_path: Path) -> None:
-    path = tmp_path / "chain"
+def step_2_waits_to_be_read(path: Path) -> tuple[ldformat.Checkpointer, TinyNet, torch.optim.Optimizer,
+                                                  threading.Event]:
+    """A chain captured in pieces, step 1 committed, step 2 trained and its writer about to read
+    it, held until the returned event is set."""
     model, opt = objects()
     budget, _ = pieces_budget(model, opt)
     ck = ldformat.Checkpointer(path, model, opt, anchor_every=50, batch_steps=1,
                                options=CaptureOptions(max_host_bytes=budget, capture_every=1))
     train_step(model, opt, 1)
     ck.flush()
-    reading, release = gate_the_reader(ck)  # the writer waits before reading: the change comes first
+    reading, release = gate_the_reader(ck)
     train_step(model, opt, 2)
     assert reading.wait(10)
+    return ck, model, opt, release
+
+
+def test_a_change_in_place_after_the_step_fails_the_capture_in_pieces_rather_than_record_a_mix(
+        tmp_path: Path) -> None:
+    path = tmp_path / "chain"
+    ck, model, opt, release = step_2_waits_to_be_read(path)  # the change comes before the writer reads
     with torch.no_grad():
         model.hidden.weight.mul_(0.5)  # after optimizer.step(), before the writer read it
     release.set()
@@ -281,15 +289,7 @@ def test_a_change_the_writer_cannot_see_is_judged_on_the_training_thread(tmp_pat
     ``.data`` while the writer reads, whose counter moves only after the read: the training
     thread's verdict refuses the row, so the step is never committed with a mix."""
     path = tmp_path / "chain"
-    model, opt = objects()
-    budget, _ = pieces_budget(model, opt)
-    ck = ldformat.Checkpointer(path, model, opt, anchor_every=50, batch_steps=1,
-                               options=CaptureOptions(max_host_bytes=budget, capture_every=1))
-    train_step(model, opt, 1)
-    ck.flush()
-    reading, release = gate_the_reader(ck)
-    train_step(model, opt, 2)
-    assert reading.wait(10)
+    ck, model, opt, release = step_2_waits_to_be_read(path)  # the change comes before the writer reads
     model.hidden.weight.data.mul_(0.5)  # no counter moves: the writer's checks pass
     release.set()
     deadline = time.monotonic() + 10
