@@ -1,9 +1,11 @@
 """Every ``§N.M`` cited in code and docs names a heading of the spec, with the right title.
 
-A citation such as ``spec §7.4 "Commit protocol"`` must resolve to a heading ``7.4`` of
-``spec/ldformat.md``; when a quoted title follows, it must be that heading's title (or the
-title of its parent section, for citations like ``§10 "Deltas"``). Within the spec itself,
-``section N.M`` references must resolve too.
+The spec is a core, ``spec/ldformat.md``, and companion documents that share its numbering
+(``sharded.md``, ``capture-extra.md``, ``rationale.md``): every section number is a heading
+in exactly one of them. A citation such as ``spec §7.4 "Commit protocol"`` must resolve to a
+heading ``7.4`` of one of these files; when a quoted title follows, it must be that heading's
+title (or the title of a child section, for citations like ``§10 "Deltas"``). Within every
+spec file, ``section N.M`` references must resolve too. The core stays short.
 """
 
 from __future__ import annotations
@@ -12,23 +14,40 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = ROOT / "spec" / "ldformat.md"
+SPEC_DIR = ROOT / "spec"
+CORE = SPEC_DIR / "ldformat.md"
+SPEC_FILES = [CORE, SPEC_DIR / "sharded.md", SPEC_DIR / "capture-extra.md", SPEC_DIR / "rationale.md"]
+CORE_MAX_LINES = 2600  # the brief asked for 2,000: see the comment of test_the_core_stays_short
 CITATION = re.compile(r"§\s?(\d+(?:\.\d+)*)(?:,?\s+\"([^\"]+)\")?")
 SECTION_REF = re.compile(r"\bsections?\s+(\d+(?:\.\d+)*)")
 HEADING = re.compile(r"^#{2,4}\s+(\d+(?:\.\d+)*)\.?\s+(.*?)\s*$")
+FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def _headings_of(path: Path) -> list[tuple[str, str]]:
+    """The numbered headings of one spec file, outside fenced code blocks."""
+    out: list[tuple[str, str]] = []
+    fenced = False
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        m = HEADING.match(line)
+        if m and not fenced:
+            out.append((m.group(1), m.group(2).strip("` ")))
+    return out
 
 
 def spec_headings() -> dict[str, str]:
     out: dict[str, str] = {}
-    for line in SPEC.read_text(encoding="utf-8").splitlines():
-        m = HEADING.match(line)
-        if m:
-            out[m.group(1)] = m.group(2).strip("` ")
+    for path in SPEC_FILES:
+        for number, title in _headings_of(path):
+            out.setdefault(number, title)
     return out
 
 
 def cited_files() -> list[Path]:
-    files = [ROOT / "README.md", *sorted((ROOT / "spec").glob("*.md"))]
+    files = [ROOT / "README.md", *sorted(SPEC_DIR.glob("*.md"))]
     for folder in ("ldformat", "ldtools", "tests", "benchmarks", "examples", "docs"):
         base = ROOT / folder
         if base.is_dir():
@@ -43,9 +62,35 @@ def _title_matches(cited: str, number: str, headings: dict[str, str]) -> bool:
     return any(want == c.strip("`").lower() or want in c.strip("`").lower() for c in candidates)
 
 
+def test_spec_files_exist() -> None:
+    missing = [str(p.relative_to(ROOT)) for p in SPEC_FILES if not p.is_file()]
+    assert not missing, missing
+
+
 def test_spec_has_numbered_headings() -> None:
     headings = spec_headings()
-    assert {"7.4", "15", "18"} <= set(headings), sorted(headings)
+    assert {"7.4", "15", "18", "19", "20.12", "22"} <= set(headings), sorted(headings)
+
+
+def test_every_heading_number_is_in_one_spec_file() -> None:
+    where: dict[str, list[str]] = {}
+    for path in SPEC_FILES:
+        for number, _ in _headings_of(path):
+            where.setdefault(number, []).append(path.name)
+    twice = {n: files for n, files in where.items() if len(files) > 1}
+    assert not twice, f"section numbers that are headings in more than one place: {twice}"
+
+
+def test_the_core_stays_short() -> None:
+    # The target is 2,000 lines. The split moved every section that is an extension (19, 20)
+    # or explanation (arguments, examples, history, remarks on the reference implementation)
+    # out of the core; what is left, about 2,550 lines, is the normative text of ordinary
+    # chains. Getting under 2,000 needs a decision on which normative part becomes another
+    # extension (maintenance: sections 16 to 18, say); until then this bound stops growth.
+    lines = len(CORE.read_text(encoding="utf-8").splitlines())
+    assert lines < CORE_MAX_LINES, (
+        f"spec/ldformat.md has {lines} lines; the core stays under {CORE_MAX_LINES}: move explanation "
+        "to spec/rationale.md and extensions to their own documents")
 
 
 def test_every_citation_resolves() -> None:
@@ -67,8 +112,9 @@ def test_every_citation_resolves() -> None:
 def test_section_references_inside_the_spec_resolve() -> None:
     headings = spec_headings()
     bad = []
-    for lineno, line in enumerate(SPEC.read_text(encoding="utf-8").splitlines(), 1):
-        for m in SECTION_REF.finditer(line):
-            if m.group(1).rstrip(".") not in headings:
-                bad.append(f"spec/ldformat.md:{lineno}: section {m.group(1)}")
+    for path in SPEC_FILES:
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for m in SECTION_REF.finditer(line):
+                if m.group(1).rstrip(".") not in headings:
+                    bad.append(f"spec/{path.name}:{lineno}: section {m.group(1)}")
     assert not bad, "\n".join(bad)
