@@ -3,8 +3,8 @@
 Methods, each from tensors already in host memory up to a durable file (data written,
 file and directory fsynced):
 
-* ``ldformat anchor``: the writer's anchor path (:func:`ldformat.anchor.anchor_parts` and
-  :func:`~ldformat.anchor.write_anchor_parts` on a :class:`~ldformat.LocalStore`: header,
+* ``ldformat anchor``: the writer's anchor path (:func:`ldformat.format.anchor.anchor_parts` and
+  :func:`~ldformat.format.anchor.write_anchor_parts` on a :class:`~ldformat.LocalStore`: header,
   streamed write, path-seeded crc32c) and ``store.sync`` of the object;
 * ``ldformat write_parts, then crc32c``: the same bytes written by ``store.write_parts``
   followed by a separate crc32c pass (the path before the anchor writer overlapped them);
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     from safetensors.torch import save_file
 
     from ldformat import LocalStore
-    from ldformat.anchor import anchor_parts, encode_anchor, write_anchor_parts
-    from ldformat.jsonvalue import object_checksum, object_checksum_parts
+    from ldformat.format.anchor import anchor_parts, encode_anchor, write_anchor_parts
+    from ldformat.format.jsonvalue import object_checksum, object_checksum_parts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the small workload (about 40 MiB of state)")

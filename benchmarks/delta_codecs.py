@@ -30,8 +30,8 @@ one blosc thread, 1 MiB blocks) with byte shuffle or bitshuffle, or byte planes 
 transpose) each compressed by zstd (numcodecs ``Zstd``), or stored raw when a 1/64 sample of
 the plane has an order-0 entropy above 7.9 bits/byte. One frame per 1 MiB block of a tensor.
 The baseline is ldformat's own encoder: the writer's xor (``np.bitwise_xor`` into a scratch
-buffer, the base copied on) into ``ldformat.delta.BatchEncoder`` (blosc zstd 1, byte shuffle,
-1 MiB blocks, 8 MiB chunks, crc32c), one row per step, decoded by ``ldformat.delta.decode_batch``.
+buffer, the base copied on) into ``ldformat.format.delta.BatchEncoder`` (blosc zstd 1, byte shuffle,
+1 MiB blocks, 8 MiB chunks, crc32c), one row per step, decoded by ``ldformat.format.delta.decode_batch``.
 
 Times are CPU core-seconds from ``time.process_time()`` (the whole process) around the
 encode of the whole state and around each tensor's decode; every codec here is single
@@ -71,7 +71,7 @@ def capture(trainer: Trainer) -> dict[str, np.ndarray]:
     The order is the writer's slot order: the model's state_dict (aliases once), then the
     optimizer's parameters in order, each with its state keys in order.
     """
-    from ldformat.state import live_model_tensors, model_schema
+    from ldformat.format.state import live_model_tensors, model_schema
 
     out: dict[str, np.ndarray] = {}
     for name, t in live_model_tensors(trainer.model, model_schema(trainer.model)).items():
@@ -504,8 +504,8 @@ def run_select(new: dict, prev: dict, s: Scratch, tally: Tally, step: int, cache
 
 def run_product(new: dict, prev: dict, s: Scratch, tally: Tally, step: int) -> None:
     """ldformat's writer path for one state.xor row: xor into a scratch buffer, base copied on, BatchEncoder."""
-    from ldformat.delta import BatchEncoder, decode_batch
-    from ldformat.manifest import SlotInfo
+    from ldformat.format.delta import BatchEncoder, decode_batch
+    from ldformat.format.manifest import SlotInfo
 
     names = list(new)
     slots = tuple(SlotInfo(name=n, dtype="float32", shape=(new[n].shape[0],), encoding="xor") for n in names)
@@ -530,7 +530,7 @@ def run_product(new: dict, prev: dict, s: Scratch, tally: Tally, step: int) -> N
     t0 = time.process_time()
     row = decode_batch(objects, slots, 1, "delta_codecs").row(0)
     dec = time.process_time() - t0
-    for n in names:  # replay xors into the state in place (ldformat.delta.xor_into): here into a copy-free scratch
+    for n in names:  # replay xors into the state in place (ldformat.format.delta.xor_into): here into a copy-free scratch
         _, vals = row[n]
         out = s.decoded[: new[n].shape[0]]
         t0 = time.process_time()

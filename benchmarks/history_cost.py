@@ -1,6 +1,6 @@
 """What ``ldtools stats`` costs against ``materialize`` of the chain's last step.
 
-``ldformat.history.step_history`` replays the range once and measures every step on the way
+``ldformat.export.history.step_history`` replays the range once and measures every step on the way
 (update and weight norms per group, Adam's ``exp_avg_sq``); ``materialize`` of the last step
 replays the same deltas from the same anchor without measuring. The issue's bar is a ratio
 of at most 1.2 on the fixed 29.5M workload over 1,000 steps; this script measures the ratio
@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 import ldformat
-from ldformat.history import step_history
+from ldformat.export.history import step_history
 
 
 def mlp(params: int) -> nn.Module:

@@ -105,7 +105,8 @@ def instrumented() -> Iterator[Phases]:
     import google_crc32c
     import numcodecs
 
-    from ldformat import anchor, delta, reader, replay
+    from ldformat.chain import reader
+    from ldformat.format import anchor, delta, replay
 
     phases = Phases()
     undo = []
@@ -195,8 +196,8 @@ def serial_parts(chain: Path, k: int, reps: int = 3) -> dict[str, float]:
     optimizer step or the state delta, one torch thread). Every part is work any reader of
     these bytes does; the sum, divided by the two-thread speedup, bounds materialize below."""
     from ldformat import ChainReader
-    from ldformat.delta import RowDecoder
-    from ldformat.jsonvalue import object_checksum
+    from ldformat.format.delta import RowDecoder
+    from ldformat.format.jsonvalue import object_checksum
 
     reader = ChainReader(chain)
     anchor_step, path = reader.state.replay_path(k)
@@ -270,17 +271,17 @@ ROW_CODECS: dict[str, dict[str, Any]] = {  # numcodecs Blosc settings (1 MiB blo
 def writer_coding(chain: Path, k: int, reps: int = 3) -> float:
     """Seconds the writer takes, on one thread (best of ``reps``), to turn step ``k``'s state into
     its ``state.xor`` row values: the Adam predictions from the coefficients the row stores, the
-    differences, zigzag and moving the base on (:func:`ldformat.state_delta.row_values`, as
-    :class:`~ldformat.writer.ChainWriter` calls it), from the states of steps ``k - 1`` and ``k``
+    differences, zigzag and moving the base on (:func:`ldformat.chain.state_delta.row_values`, as
+    :class:`~ldformat.chain.writer.ChainWriter` calls it), from the states of steps ``k - 1`` and ``k``
     as the chain replays them. Compression, crc32c and the writes come on top."""
     import numpy as np
 
     from ldformat import ChainReader
-    from ldformat.captured import CapturedTensor
-    from ldformat.checks import Schema
-    from ldformat.delta import tensor_bits
-    from ldformat.predict import PREDICT
-    from ldformat.state_delta import row_values
+    from ldformat.chain.captured import CapturedTensor
+    from ldformat.format.checks import Schema
+    from ldformat.format.delta import tensor_bits
+    from ldformat.format.predict import PREDICT
+    from ldformat.chain.state_delta import row_values
 
     reader = ChainReader(chain)
     entry, step_entry = reader.state.deltas[k]

@@ -69,7 +69,7 @@ def _p99(values: list[float]) -> float:
 
 def _log_sizes(chain: Path) -> dict[str, Any]:
     """Newest snapshot record size, and the number/bytes of the records after it."""
-    from ldformat.log import LOG_DIR, log_sequence_numbers, read_record
+    from ldformat.chain.records import LOG_DIR, log_sequence_numbers, read_record
     from ldformat.stores import LocalStore
 
     store = LocalStore(chain)
@@ -93,7 +93,7 @@ def run_variant(name: str, checkpoints: list[int], workdir: Path, snapshots: str
     from ldformat import ChainReader, ChainWriter, ResumableSampler
     from ldformat.capture.extra import loop_extra
     from ldformat.capture.rng import capture_rng
-    from ldformat.writer import SnapshotPolicy
+    from ldformat.chain.writer import SnapshotPolicy
 
     torch.manual_seed(0)
     random.seed(0)

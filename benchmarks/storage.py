@@ -33,7 +33,7 @@ def raw_state_bytes(trainer: Trainer) -> int:
 def chain_bytes(chain: str | os.PathLike[str]) -> dict[str, Any]:
     """Where a chain's bytes go: anchors, delta objects by array, log records; raw sizes of the deltas."""
     from ldformat import ChainReader
-    from ldformat.log import log_path
+    from ldformat.chain.records import log_path
     from ldtools.cli import chain_info
 
     reader = ChainReader(chain)
@@ -109,7 +109,7 @@ def value_codec_variants(chain: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _width(dtype: str) -> int:
-    from ldformat.jsonvalue import parse_dtype
+    from ldformat.format.jsonvalue import parse_dtype
 
     return torch.empty(0, dtype=parse_dtype(dtype)).element_size()
 
@@ -236,8 +236,8 @@ def run_anchor_throughput(size: ModelSize, workdir: Path, reps: int, log: Any = 
     from safetensors.torch import save_file
 
     from ldformat import ChainWriter, LocalStore
-    from ldformat.anchor import anchor_parts, encode_anchor, write_anchor_parts
-    from ldformat.jsonvalue import object_checksum, object_checksum_parts
+    from ldformat.format.anchor import anchor_parts, encode_anchor, write_anchor_parts
+    from ldformat.format.jsonvalue import object_checksum, object_checksum_parts
 
     trainer = Trainer(size)
     trainer.step()

@@ -180,7 +180,7 @@ def check_and_measure(kind: str, chain: Path, run: dict[str, Any], full_path: Pa
     if diffs:
         problems.append(f"{kind}: step {latest} does not match the live state: {', '.join(diffs[:3])}")
 
-    report = ldformat.validate(chain, deep=True)
+    report = ldformat.chain.validate(chain, deep=True)
     if not report.ok:
         problems.extend(f"{kind}: validate: {p}" for p in report.problems)
 

@@ -15,6 +15,7 @@ import sys
 import types
 from typing import TYPE_CHECKING, Any
 
+from . import _moved
 from .errors import (
     ChainError,
     ChainExistsError,
@@ -36,6 +37,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .api import compact, open_reader, sync, truncate, validate
     from .capture import (
         CaptureOptions,
         Checkpointer,
@@ -45,35 +47,35 @@ if TYPE_CHECKING:
         resume,
         topk_comm_hook,
     )
-    from .compact import CompactionPlan, compact, truncate
-    from .manifest import FORMAT_VERSION, KINDS
-    from .reader import ChainReader
-    from .replicate import ReplicaDivergedError, SyncReport, sync
-    from .sharded import ShardedReader, open_reader
+    from .chain.maintenance import CompactionPlan
+    from .chain.reader import ChainReader
+    from .chain.replicate import ReplicaDivergedError, SyncReport
+    from .chain.validate import Problem, ValidationReport
+    from .chain.writer import ChainWriter
+    from .format.manifest import FORMAT_VERSION, KINDS
+    from .format.topk import TopK
+    from .sharded.chain import ShardedReader
     from .stores import LocalStore, Store
-    from .topk import TopK
-    from .validate import Problem, ValidationReport, validate
-    from .writer import ChainWriter
 
 __version__ = "0.3.0"
 
 #: Where each lazily imported public name lives (a module of this package).
 _LAZY: dict[str, str] = {
-    "FORMAT_VERSION": ".manifest",
-    "KINDS": ".manifest",
-    "ChainReader": ".reader",
-    "ChainWriter": ".writer",
-    "CompactionPlan": ".compact",
-    "compact": ".compact",
-    "truncate": ".compact",
-    "Problem": ".validate",
-    "ValidationReport": ".validate",
-    "validate": ".validate",
-    "ShardedReader": ".sharded",
-    "open_reader": ".sharded",
+    "FORMAT_VERSION": ".format.manifest",
+    "KINDS": ".format.manifest",
+    "ChainReader": ".chain.reader",
+    "ChainWriter": ".chain.writer",
+    "CompactionPlan": ".chain.maintenance",
+    "compact": ".api",
+    "truncate": ".api",
+    "Problem": ".chain.validate",
+    "ValidationReport": ".chain.validate",
+    "validate": ".api",
+    "ShardedReader": ".sharded.chain",
+    "open_reader": ".api",
     "LocalStore": ".stores",
     "Store": ".stores",
-    "TopK": ".topk",
+    "TopK": ".format.topk",
     "Checkpointer": ".capture",
     "CaptureOptions": ".capture",
     "ResidualPeer": ".capture",
@@ -81,9 +83,9 @@ _LAZY: dict[str, str] = {
     "TopKCommState": ".capture",
     "resume": ".capture",
     "topk_comm_hook": ".capture",
-    "ReplicaDivergedError": ".replicate",
-    "SyncReport": ".replicate",
-    "sync": ".replicate",
+    "ReplicaDivergedError": ".chain.replicate",
+    "SyncReport": ".chain.replicate",
+    "sync": ".api",
 }
 
 __all__ = [
@@ -146,14 +148,15 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """The package module: importing the submodule ``ldformat.compact`` (or ``.validate``)
-    sets the package's attribute of that name to the module; the public function of that
-    name keeps it, as it did when this package imported everything eagerly."""
+    """The package module: importing an old module path that shares its name with a public
+    function (``ldformat.chain.maintenance``, ``ldformat.chain.validate``; see :mod:`._moved`) sets the
+    package's attribute of that name to the module; the public function keeps it."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f".{name}":
-            value = getattr(value, name, value)
+        if isinstance(value, types.ModuleType) and name in _LAZY and hasattr(value, name):
+            value = getattr(value, name)
         super().__setattr__(name, value)
 
 
 sys.modules[__name__].__class__ = _Package
+_moved.install()

@@ -327,7 +327,7 @@ def full_checkpoint(reader: ChainReader) -> dict[str, int]:
         EmptyChainError: the chain has no committed step.
         LdformatError: an object it needs is missing or damaged.
     """
-    from ldformat.anchor import anchor_parts
+    from ldformat.format.anchor import anchor_parts
 
     step = reader.latest_step
     if step is None:
@@ -432,8 +432,8 @@ def _full_checkpoint_or_error(reader: ChainReader) -> tuple[dict[str, int] | Non
 def sharded_parent(chain: str) -> tuple[str, int] | None:
     """``(sharded chain, rank)`` when ``chain`` is one rank's chain of a sharded chain
     (``<sharded>/ranks/<rank:05d>``), else None (also when that cannot be read)."""
-    from ldformat.reader import open_store
-    from ldformat.sharded import RANKS_DIR, SHARDED_ROOT, is_sharded
+    from ldformat.chain.reader import open_store
+    from ldformat.chain.sharded_probe import RANKS_DIR, SHARDED_ROOT, is_sharded
     from ldformat.stores import parse_location
 
     try:
@@ -454,8 +454,9 @@ def sharded_parent(chain: str) -> tuple[str, int] | None:
 
 def _sharded_world_size(chain: str) -> int | None:
     """The world size of the sharded chain ``chain``; None for any other (or unreadable) path."""
-    from ldformat.reader import chain_name, open_store
-    from ldformat.sharded import is_sharded, read_sharded_root
+    from ldformat.chain.reader import chain_name, open_store
+    from ldformat.chain.sharded_probe import is_sharded
+    from ldformat.sharded.chain import read_sharded_root
 
     try:
         store = open_store(chain, None, None)
@@ -506,8 +507,8 @@ def _chain_info(reader: ChainReader, full: dict[str, int] | None, full_error: st
 
 def sharded_info(reader: ldformat.ShardedReader) -> dict[str, Any]:
     """What ``ldtools info`` says of a sharded chain (spec section 20)."""
-    from ldformat.jsonvalue import parse_dtype
-    from ldformat.sharded import commit_numbers
+    from ldformat.format.jsonvalue import parse_dtype
+    from ldformat.sharded.chain import commit_numbers
 
     full, full_error = _full_state_or_error(reader, sharded_full_state)  # first: it may re-read the logs
     steps = reader.steps
@@ -607,7 +608,7 @@ def _sharded_info(reader: ldformat.ShardedReader, as_json: bool, lag: dict[str, 
 
 
 def _sharded_log(reader: ldformat.ShardedReader, as_json: bool) -> None:
-    from ldformat.sharded import read_commits
+    from ldformat.sharded.chain import read_commits
 
     rows = [{"seq": c.seq, "time": c.time, "step": c.step, "writer": c.writer}
             for c in read_commits(reader.store, reader.path)]
@@ -630,7 +631,7 @@ def _capture_policy(reader: ChainReader) -> dict[str, Any] | None:
         return None
     entry = reader.state.deltas.get(latest)
     extra = entry[1].extra if entry is not None else reader.state.anchors[latest].extra
-    from ldformat.jsonvalue import decode
+    from ldformat.format.jsonvalue import decode
 
     decoded = decode(extra)
     policy = decoded.get("policy") if isinstance(decoded, dict) else None
@@ -660,7 +661,7 @@ def mirror_lag(reader: ChainReader, mirror: str) -> dict[str, Any]:
 def sharded_mirror_lag(reader: ldformat.ShardedReader, mirror: str) -> dict[str, Any]:
     """:func:`mirror_lag` of a sharded chain: committed steps and commit records the replica
     at ``mirror`` lacks (spec §20.12)."""
-    from ldformat.sharded import read_commits
+    from ldformat.sharded.chain import read_commits
 
     replica = ldformat.open_reader(mirror)
     if not isinstance(replica, ldformat.ShardedReader) or replica.root.chain_id != reader.root.chain_id:
@@ -867,7 +868,7 @@ def log(chain: str, as_json: bool, rank: int | None) -> None:
 
 
 def _chain_log(reader: ChainReader, as_json: bool) -> None:
-    from ldformat.manifest import expand, range_count
+    from ldformat.format.manifest import expand, range_count
 
     rows: list[dict[str, Any]] = []
     for r in reader.records:
@@ -1050,8 +1051,8 @@ def flatten_for_safetensors(state: dict[str, Any], with_optimizer: bool) -> tupl
     for other, kept in sorted(left_out.items()):
         metadata.setdefault(other, kept)
     if with_optimizer:
-        from ldformat.jsonvalue import encode
-        from ldformat.optstate import REF_PREFIX, split_state
+        from ldformat.format.jsonvalue import encode
+        from ldformat.format.optstate import REF_PREFIX, split_state
 
         groups = state["optimizer"]["param_groups"]
         stored, structure = split_state(state["optimizer"], sum(len(g["params"]) for g in groups))
@@ -1177,7 +1178,7 @@ def _export_dcp(reader: ChainReader | ShardedReader, step: int | None, out: Path
     new one is complete (written beside it, then swapped in)."""
     import shutil
 
-    from ldformat.dcp import export_dcp
+    from ldformat.export.dcp import export_dcp
 
     if not (force and os.path.lexists(out) and (not out.is_dir() or any(out.iterdir()))):
         return export_dcp(reader, step, out, progress=bar)
@@ -1244,7 +1245,7 @@ def validate(chain: str, deep: bool, strict: bool, as_json: bool, threads: int |
     labels = {"objects": "checking objects", "replay": "replaying to anchors",
               "replicas": "comparing the ranks' copies"}
     with replay_thread_count(threads), _progress_bar(show_progress, labels) as bar:
-        report = ldformat.validate(chain, deep=deep, progress=bar)
+        report = ldformat.chain.validate(chain, deep=deep, progress=bar)
     world = _sharded_world_size(chain)
     compared = len(report.drift) if deep else None
     if strict and report.ok and not compared:
@@ -1321,7 +1322,7 @@ def compact(chain: str, max_replay: int | None, keep_last: int | None, keep_ever
 
     def run(break_it: bool) -> ldformat.CompactionPlan:
         with replay_thread_count(threads), _progress_bar(show_progress, {"anchors": "writing anchors"}) as bar:
-            return ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every,
+            return ldformat.chain.maintenance(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every,
                                     dry_run=dry_run, break_lock=break_it, progress=bar)
 
     plan = run(False) if dry_run else with_lock(chain, run, break_lock=break_lock, yes=yes)
@@ -1361,7 +1362,7 @@ def confirm_compaction(chain: str, max_replay: int | None, keep_last: int | None
     """Ask before a compaction whose retention removes committed steps, or refuse without a
     terminal (:mod:`ldtools.consent`). A dry run of the same compaction says which steps it
     removes; none: nothing to ask."""
-    plan = ldformat.compact(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every, dry_run=True)
+    plan = ldformat.chain.maintenance(chain, max_replay=max_replay, keep_last=keep_last, keep_every=keep_every, dry_run=True)
     if plan.dropped_steps:
         steps = f"{plural(len(plan.dropped_steps), 'step')} ({step_span(plan.dropped_steps)})"
         confirm(f"remove {steps} of {chain}?", yes=False, refusal=f"{chain}: compact would remove {steps}")
@@ -1385,7 +1386,7 @@ def truncate(chain: str, after: int, yes: bool, break_lock: bool) -> None:
     \b
     Example: ldtools truncate runs/chain --after 1200 --yes
     """
-    from ldformat.sharded import refuse_sharded
+    from ldformat.chain.sharded_probe import refuse_sharded
 
     refuse_break_lock_without_consent(chain, break_lock, yes)
     reader = ldformat.open_reader(chain)
@@ -1435,7 +1436,7 @@ def sync(src: str, dst: str, as_json: bool, break_lock: bool, yes: bool, show_pr
     \b
     Example: ldtools sync runs/chain /mnt/backup/chain
     """
-    from ldformat.reader import open_store
+    from ldformat.chain.reader import open_store
 
     open_store(src, None)  # a missing local SRC: the same error as every command's CHAIN
     refuse_break_lock_without_consent(dst, break_lock, yes)

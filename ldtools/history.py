@@ -1,5 +1,5 @@
 """``ldtools stats``, ``ldtools diff`` and ``ldtools plot``: the flight recorder's commands
-(docs/flight-recorder.md). They display what :mod:`ldformat.history` computes.
+(docs/flight-recorder.md). They display what :mod:`ldformat.export.history` computes.
 
 The commands register themselves on :data:`ldtools.cli.cli` when this module is imported
 (``cli.py`` imports it at its end).
@@ -23,7 +23,7 @@ from .cli import CHAIN, _echo, check_output, cli, errors_to_exit_codes, refuse_e
 from .progress import human_bytes
 
 if TYPE_CHECKING:
-    from ldformat.history import StepStats, TensorDiff
+    from ldformat.export.history import StepStats, TensorDiff
 
 
 def _reader(chain: str) -> ldformat.ChainReader | ldformat.ShardedReader:
@@ -51,14 +51,14 @@ def _range_options(fn: Any) -> Any:
 
 
 def _history(chain: str, first: int | None, last: int | None, depth: int) -> list[StepStats]:
-    from ldformat.history import step_history
+    from ldformat.export.history import step_history
 
     return list(step_history(_reader(chain), first=first, last=last, depth=depth))
 
 
 def rollback_advice(chain: str, history: list[StepStats]) -> dict[str, Any] | None:
     """The first flagged step and the commands that roll back before it (None without flags)."""
-    from ldformat.history import rollback_step
+    from ldformat.export.history import rollback_step
 
     flagged = next((s for s in history if s.flags), None)
     if flagged is None:
@@ -155,7 +155,7 @@ def diff(chain: str, step_a: int, step_b: int, other: str | None, show_all: bool
     Example: ldtools diff runs/chain 1200 1201
              ldtools diff runs/chain 1200 1200 --other runs/rerun
     """
-    from ldformat.history import diff_steps
+    from ldformat.export.history import diff_steps
 
     a = _reader(chain)
     b = _reader(other) if other is not None else None

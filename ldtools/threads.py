@@ -2,7 +2,7 @@
 
 Replay overlaps two kinds of work: the main thread applies a step (an optimizer step on
 torch's intra-op threads, or an XOR), while one prefetch thread reads and decodes the next
-step's row (``ldformat.reader``). torch's default, one thread per core, leaves that decoding
+step's row (``ldformat.chain.reader``). torch's default, one thread per core, leaves that decoding
 thread no core of its own: torch's OpenMP threads then wait on each other at every parallel
 region while one of them is descheduled, and a replay on a busy machine slows down several
 times. The commands take one core fewer than the cores this process may run on

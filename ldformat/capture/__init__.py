@@ -6,7 +6,7 @@ from .policy import AdaptiveTuner, PolicyInputs, optimal_anchor_every, optimal_b
 from .resume import resume
 from .runtime import MODES, Checkpointer, Mode
 from .sampler import ResumableSampler
-from .tuning import CaptureStats
+from .stats import CaptureStats
 
 __all__ = [
     "MODES",

@@ -19,13 +19,14 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import NamedTuple
 
-from ..captured import CapturedStep, CapturedTensor
-from ..jsonvalue import encode
-from ..writer import ChainWriter
+from ..chain.captured import CapturedStep, CapturedTensor
+from ..chain.writer import ChainWriter
+from ..format.jsonvalue import encode
 from .ddp import EXTRAS_TIMEOUT_S, RankStates
 from .replica import Replica
 from .staging import BufferPool, BufferSet, Stager
-from .tuning import CaptureStats, Tuning
+from .stats import CaptureStats
+from .tuning import Tuning
 
 log = logging.getLogger("ldformat.capture")
 #: The exchange fails by itself after EXTRAS_TIMEOUT_S; this only bounds a stuck thread.

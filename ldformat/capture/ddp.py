@@ -24,9 +24,9 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from ..captured import around_closure, nested_step
+from ..chain.captured import around_closure, nested_step
 from ..errors import LdformatError
-from ..topk import TopK
+from ..format.topk import TopK
 from .extra import Stateful
 from .hooks import call_after, open_at_exit
 from .rng import capture_rng

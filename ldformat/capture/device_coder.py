@@ -1,6 +1,6 @@
 """Coding a ``state.xor`` row with torch ops on the tensors' own device (spec §11.3, §11.3.1).
 
-The host coder (:func:`ldformat.state_delta.row_values`) copies the whole state to the host and
+The host coder (:func:`ldformat.chain.state_delta.row_values`) copies the whole state to the host and
 codes it there with numpy. On a CUDA device most of that copy is waste: with Adam prediction
 about 99% of a parameter's elements are predicted exactly, so its values are zero. This module
 computes the same values where the tensors live, and moves to the host only the residual:
@@ -22,11 +22,11 @@ operation: the coefficients are 0-dim tensors on the tensors' device (on CUDA, t
 by a *CPU* scalar as a multiplication by its reciprocal, which rounds differently), no kernel
 is fused (no ``addcmul``, ``addcdiv``, ``lerp``), the square root is taken in binary64 and
 rounded (torch's float32 ``sqrt`` is not correctly rounded on the CPU:
-:func:`correctly_rounded_sqrt`), subnormals are kept (:func:`ldformat.predict.ieee_subnormals`
+:func:`correctly_rounded_sqrt`), subnormals are kept (:func:`ldformat.format.predict.ieee_subnormals`
 around CPU work; CUDA kernels are compiled without flushing) and NaN payloads erased.
 
 The base (the bits of the previous step's state) lives on the device too, as flat signed-integer
-tensors, and moves on to each step's bits as :func:`~ldformat.state_delta.row_values` moves
+tensors, and moves on to each step's bits as :func:`~ldformat.chain.state_delta.row_values` moves
 the host base; :func:`base_to_device` and :func:`base_to_host` convert between the two forms.
 """
 
@@ -40,9 +40,9 @@ from typing import Literal
 import numpy as np
 import torch
 
-from ..delta import PREDICTED, SIGNED_NP, WIDTH_DTYPES
-from ..predict import PREDICT, ieee_subnormals, moment_names
-from ..state_delta import NO_PREDICTION
+from ..chain.state_delta import NO_PREDICTION
+from ..format.delta import PREDICTED, SIGNED_NP, WIDTH_DTYPES
+from ..format.predict import PREDICT, ieee_subnormals, moment_names
 
 SIGNED: dict[int, torch.dtype] = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: Bytes of the non-zero count that decides, per tensor, in which form its residual crosses.
@@ -171,7 +171,7 @@ def second_moment_prediction(m0: torch.Tensor | None, m: torch.Tensor | None, v0
 
     ``m0``, ``m``, ``v0``: 32-bit bits (any integer or float32 view) or None for all-zero bits;
     ``coef``: :func:`coefficient_tensor`. Bit-identical to
-    :func:`ldformat.predict.predict_second_moment`: each op is one correctly rounded binary32
+    :func:`ldformat.format.predict.predict_second_moment`: each op is one correctly rounded binary32
     operation (an addition's operands commute exactly), a NaN result becomes +0.0."""
     dev = coef.device
     k, b, d = coef[4], coef[5], coef[6]
@@ -212,7 +212,7 @@ def parameter_prediction(w0: torch.Tensor | None, m: torch.Tensor | None, v: tor
         q = sqrt(v); q = q / c;  q = q + e;  q = m / q;   q = q * s;  P = w0 * a;  P = P - q
 
     Arguments as :func:`second_moment_prediction`; bit-identical to
-    :func:`ldformat.predict.predict_parameter`."""
+    :func:`ldformat.format.predict.predict_parameter`."""
     dev = coef.device
     a, s, c, e = coef[0], coef[1], coef[2], coef[3]
     w0f, mf, vf = _input(w0, size, dev, "w0"), _input(m, size, dev, "m"), _input(v, size, dev, "v")
@@ -294,7 +294,7 @@ def residual_bytes(size: int, width: int, nonzero: int) -> tuple[int, Form]:
 
 @dataclass(frozen=True)
 class CodedRow:
-    """A row coded on the device and fetched: ``values`` equal :func:`~ldformat.state_delta.row_values`'s;
+    """A row coded on the device and fetched: ``values`` equal :func:`~ldformat.chain.state_delta.row_values`'s;
     ``d2h_bytes`` crossed from the device (non-zero counts, residuals in their smallest form),
     ``raw_bytes`` is the size of the state tensors, what the host coder copies."""
 
@@ -356,7 +356,7 @@ def code_row_on_device(tensors: Mapping[str, torch.Tensor], encodings: Mapping[s
                        prior: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The values of every state tensor of a row (spec §11.3, §11.3.1), as flat signed tensors on
     each tensor's device, and the base moved on to this step's bits; what
-    :func:`~ldformat.state_delta.row_values` computes on the host, with the same arguments in
+    :func:`~ldformat.chain.state_delta.row_values` computes on the host, with the same arguments in
     device form: ``tensors`` the live tensors (read, never written), ``base`` the previous
     step's bits of the tensors present now (updated in place; an entry on another device is
     moved to its tensor's), ``prior`` the base before the absent tensors were forgotten (may
@@ -444,7 +444,7 @@ def code_row(tensors: Mapping[str, torch.Tensor], encodings: Mapping[str, str], 
              coefs: Mapping[int, np.ndarray], base: dict[str, torch.Tensor],
              prior: Mapping[str, torch.Tensor], compact: bool = True) -> CodedRow:
     """A whole row coded on the tensors' devices and fetched: :class:`CodedRow` whose ``values``
-    equal those of :func:`~ldformat.state_delta.row_values` with the same state, bit for bit
+    equal those of :func:`~ldformat.chain.state_delta.row_values` with the same state, bit for bit
     (arguments as :func:`code_row_on_device`; ``compact``: residuals cross as non-zeros when smaller)."""
     on_device = code_row_on_device(tensors, encodings, params, coefs, base, prior)
     values, d2h, raw = fetch_row(on_device, compact)

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import LdformatError, UsageError
-from ..jsonvalue import JSON, decode
+from ..format.jsonvalue import JSON, decode
 from .rng import capture_optimizer_rng
 
 #: At most this many scalars per step (spec §19.1 ``scalars``): the extra of every step entry
@@ -108,7 +108,7 @@ def loop_extra(
         scalars: what the loop logged for the step (:func:`check_scalars`), as ``scalars``.
 
     Returns:
-        A dict for :func:`ldformat.jsonvalue.encode` (which the background writer runs).
+        A dict for :func:`ldformat.format.jsonvalue.encode` (which the background writer runs).
     """
     extra: dict[str, object] = {"rng": rng}
     if scheduler is not None:

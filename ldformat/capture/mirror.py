@@ -24,9 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..replicate import ReplicaDivergedError, SyncReport, describe_store, sync
+from ..api import sync
+from ..chain.replicate import ReplicaDivergedError, SyncReport, describe_store
 from ..stores import Store
-from .tuning import CaptureStats
+from .stats import CaptureStats
 
 log = logging.getLogger("ldformat.capture")
 

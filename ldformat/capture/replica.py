@@ -1,6 +1,6 @@
 """``lowdiff+``: the CPU replica of the training state (docs/capture-runtime.md "`lowdiff+`: the CPU replica").
 
-The background writer applies every captured step to a :class:`~ldformat.replay.Replayer`
+The background writer applies every captured step to a :class:`~ldformat.format.replay.Replayer`
 over a CPU copy of the state before it writes the step, so the replica is always the
 chain's own replay of the last step written. Anchors are the replica's tensors, and
 ``Checkpointer.recover`` loads them into the live objects without reading storage.
@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from ..captured import CapturedStep
-from ..manifest import SlotInfo, StepEntry
-from ..replay import Replayer
-from ..state import encode_param_groups
-from ..writer import ChainWriter
+from ..chain.captured import CapturedStep
+from ..chain.writer import ChainWriter
+from ..format.manifest import SlotInfo, StepEntry
+from ..format.replay import Replayer
+from ..format.state import encode_param_groups
 
 
 class Replica:

@@ -15,18 +15,22 @@ from typing import Any
 
 import torch
 
+from ..chain.commit import open_log_for_write
+from ..chain.lock import WriterLock
+from ..chain.reader import ChainReader, step_not_found
+from ..chain.records import ROOT_FILE
+from ..api import sync
+from ..chain.replicate import ReplicaDivergedError
+from ..chain.sharded_probe import is_sharded
+from ..chain.writer import ChainWriter
 from ..errors import CorruptChainError, LdformatError, StepNotFoundError, UsageError
-from ..log import ROOT_FILE, WriterLock, open_log_for_write
-from ..manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
-from ..reader import ChainReader, step_not_found
-from ..replicate import ReplicaDivergedError, sync
-from ..sharded import ShardedReader, assemble_state, extra_of_rank, is_sharded
-from ..shards import has_dtensors
-from ..state import optimizer_class_name
+from ..format.dtensors import has_dtensors
+from ..format.manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
+from ..format.state import optimizer_class_name
+from ..format.topk import TopK
+from ..sharded.chain import ShardedReader, assemble_state, extra_of_rank
 from ..stores import Store, location_name, parse_location
 from ..stores import open_store as open_location
-from ..topk import TopK
-from ..writer import ChainWriter
 from .extra import Stateful
 from .rng import restore_optimizer_rng, restore_rng
 from .sharded import live_regions, load_full_state, needed_ranks
@@ -56,7 +60,7 @@ def _holds_chain(path: str | os.PathLike[str], store: Store | None) -> bool:
 def _exact_step(reader: ChainReader) -> int:
     """The latest anchor; for grad.topk the latest one that holds residuals (compaction anchors do not)."""
     if reader.kind == "grad.topk":
-        from ..anchor import tensor_bytes
+        from ..format.anchor import tensor_bytes
 
         for s in reversed(reader.anchors):
             entry = reader.state.anchors[s]
@@ -411,12 +415,12 @@ def _open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optim
             )
         log.warning("%s: truncating %d step(s) after %d: training resumes from there", path, len(later), target)
         if lock is not None:
-            from ..compact import truncate_locked
+            from ..chain.maintenance import truncate_locked
 
             reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
             truncate_locked(reader, lock, target)
         else:
-            from ..compact import truncate as truncate_chain
+            from ..api import truncate as truncate_chain
 
             truncate_chain(path, target, store=store, part_of_sharded=rank_chain)
     if compressor is not None and target is not None:

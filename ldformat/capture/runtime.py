@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from ..captured import (
-    JSON,
+from ..chain.captured import (
     CapturedStep,
     CapturedTensor,
     CopyToHost,
@@ -45,17 +44,17 @@ from ..captured import (
     live_buffers,
     nested_step,
 )
-from ..delta import check_encode_threads
+from ..chain.reader import ChainReader
+from ..chain.sharded_probe import rank_location
+from ..chain.writer import ChainWriter, build_schema
 from ..errors import LdformatError, UsageError
-from ..jsonvalue import dtype_name
-from ..manifest import Kind
-from ..reader import ChainReader
-from ..sharded import rank_location
-from ..shards import has_dtensors, local
-from ..state import encode_param_groups
+from ..format.delta import check_encode_threads
+from ..format.dtensors import has_dtensors, local
+from ..format.jsonvalue import JSON, dtype_name
+from ..format.manifest import Kind
+from ..format.state import encode_param_groups
+from ..format.topk import TopK
 from ..stores import Store
-from ..topk import TopK
-from ..writer import ChainWriter, build_schema
 from .background import BackgroundWriter, Queued
 from .cadence import Cadence
 from .ddp import (
@@ -89,9 +88,9 @@ from .sharded import (
 from .sharded import setup as sharded_setup
 from .snapshot import LazySnapshots
 from .staging import BufferPool, BufferSet, Stager, arena_bytes, host_bytes
+from .stats import CaptureStats
 from .tuning import (
     DEFAULT_MAX_LOST_S,
-    CaptureStats,
     Interval,
     Tuning,
     check_budget,

@@ -20,10 +20,13 @@ from typing import Any
 
 import torch
 
+from ..chain.lock import WriterLock
+from ..chain.records import log_path, log_sequence_numbers, now, read_log, read_record
+from ..chain.sharded_probe import is_sharded, rank_location
 from ..errors import ChainLockedError, LdformatError, UnsupportedStateError, UsageError
-from ..fold import ChainState
-from ..log import WriterLock, log_path, log_sequence_numbers, now, read_log, read_record
-from ..sharded import (
+from ..format.dtensors import is_dtensor, local, local_shard
+from ..format.fold import ChainState
+from ..sharded.chain import (
     COPIES_VERSION,
     SHARDED_VERSION,
     Commit,
@@ -31,14 +34,12 @@ from ..sharded import (
     copy_ranks,
     create_commit,
     create_sharded_root,
-    is_sharded,
     newest_commit,
-    rank_location,
     read_sharded_root,
 )
-from ..shards import Layout, Shard, is_dtensor, local, local_shard, overlapping
+from ..sharded.layout import Layout, Shard, overlapping
 from ..stores import Store, open_store, parse_location
-from .tuning import CaptureStats
+from .stats import CaptureStats
 
 log = logging.getLogger("ldformat.capture")
 
@@ -89,7 +90,7 @@ def _refuse_optimizer(optimizer: torch.optim.Optimizer, kind: str) -> None:
 
 
 def _own_layout(model: torch.nn.Module, rank: int) -> dict[str, tuple[str, list[int], list[int], list[int]]]:
-    from ..jsonvalue import dtype_name
+    from ..format.jsonvalue import dtype_name
 
     out = {}
     seen: set[int] = set()
@@ -130,7 +131,7 @@ def buffer_digest(model: torch.nn.Module) -> str:
     """A crc32c of this rank's buffers that are not DTensors (in ``state_dict`` order): a copy rank
     and its source send it with every step so that rank 0 notices replicas whose buffers
     drifted apart."""
-    from ..jsonvalue import crc32c_extend
+    from ..stores.crc32c import crc32c_extend
 
     crc = 0
     for t in model.state_dict(keep_vars=True).values():
@@ -238,7 +239,7 @@ def _agree(error: BaseException | None, copies: dict[int, int] | None, group: An
 
 
 def _exists(location: str, storage_options: dict[str, Any] | None) -> bool:
-    from ..log import ROOT_FILE
+    from ..chain.records import ROOT_FILE
 
     loc = parse_location(location)
     if loc.path is not None:
@@ -256,7 +257,7 @@ def _top_store(path: str, storage_options: dict[str, Any] | None) -> Store:
 def _create_or_check(path: str, root: ShardedRoot, storage_options: dict[str, Any] | None) -> dict[int, int]:
     """Create ``sharded.json``, or check that the one there has this run's layout; returns the
     copy ranks in force (an existing chain's, which a writer of format 1.3 left empty)."""
-    from ..log import ROOT_FILE
+    from ..chain.records import ROOT_FILE
 
     store = _top_store(path, storage_options)
     if not is_sharded(store):

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..captured import CapturedTensor
+from ..chain.captured import CapturedTensor
 from .staging import BufferSet, Stager
 
 log = logging.getLogger("ldformat.capture")

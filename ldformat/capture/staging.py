@@ -20,7 +20,7 @@ import torch
 from ..errors import UsageError
 
 if TYPE_CHECKING:
-    from .tuning import CaptureStats
+    from .stats import CaptureStats
 
 log = logging.getLogger("ldformat.capture")
 

@@ -58,10 +58,10 @@ from ..capture.options import CaptureOptions
 from ..capture.rng import RngState, capture_rng, restore_rng
 from ..capture.runtime import Checkpointer
 from ..capture.tuning import Interval
+from ..chain.reader import ChainReader
+from ..api import sync
 from ..errors import LdformatError, NotAChainError, UsageError
-from ..jsonvalue import JSON, encode
-from ..reader import ChainReader
-from ..replicate import sync
+from ..format.jsonvalue import JSON, encode
 
 __all__ = ["LdformatCheckpoint"]
 

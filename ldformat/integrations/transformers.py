@@ -66,11 +66,11 @@ from ..capture.options import CaptureOptions
 from ..capture.rng import RngState, capture_rng
 from ..capture.runtime import Checkpointer, Mode
 from ..capture.tuning import Interval
+from ..chain.reader import ChainReader
 from ..errors import LdformatError, NotAChainError, UsageError
-from ..jsonvalue import JSON, decode
-from ..reader import ChainReader
+from ..format.jsonvalue import JSON, decode
+from ..format.topk import TopK
 from ..stores import Store
-from ..topk import TopK
 
 if TYPE_CHECKING:
     from typing import Unpack

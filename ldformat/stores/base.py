@@ -53,7 +53,7 @@ from typing import TypeAlias
 import numpy as np
 
 from ..errors import CorruptChainError
-from ..jsonvalue import crc32c_extend
+from .crc32c import crc32c_extend
 
 #: Large objects are written in pieces of at most this size, each handed to writeback as
 #: soon as it is written (see :meth:`LocalStore._start_writeback`).

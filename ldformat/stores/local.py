@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CorruptChainError
-from ..jsonvalue import crc32c_extend
 from .base import WRITEBACK_CHUNK, Part, Store, byte_view, check_relative_path, refuse_larger
+from .crc32c import crc32c_extend
 
 #: How often making the parent directories and opening a new file is tried again when a
 #: concurrent :meth:`LocalStore.delete` removed a directory it emptied in between.

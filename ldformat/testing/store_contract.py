@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 from ..errors import CorruptChainError
-from ..jsonvalue import crc32c_extend
 from ..stores.base import WRITEBACK_CHUNK, ObjectTooLargeError, Part, Store
+from ..stores.crc32c import crc32c_extend
 
 __all__ = ["UNSAFE_PATHS", "StoreContract"]
 
