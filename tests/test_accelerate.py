@@ -8,17 +8,18 @@ from typing import Any
 
 import pytest
 import torch
+from paths import REPO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ldformat
-from ldformat.state import bits_view
+from ldformat.format.state import bits_view
 
 accelerate = pytest.importorskip("accelerate")
 
 
 def readme_snippet(section: str) -> str:
-    text = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "README.md").read_text(encoding="utf-8")
     assert section in text, f"the README lost its section {section!r}"
     return text[text.index(section):].split("```python\n", 1)[1].split("```", 1)[0]
 

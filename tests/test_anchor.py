@@ -19,10 +19,11 @@ import safetensors
 import safetensors.torch
 import torch
 
-from ldformat.anchor import SAFETENSORS_DTYPES, anchor_parts, decode_anchor, encode_anchor, tensor_bytes
 from ldformat.errors import CorruptChainError, UnsupportedStateError
-from ldformat.jsonvalue import crc32c_hex, object_checksum, object_checksum_parts
+from ldformat.format.anchor import SAFETENSORS_DTYPES, anchor_parts, decode_anchor, encode_anchor, tensor_bytes
+from ldformat.format.checksum import object_checksum, object_checksum_parts
 from ldformat.stores import LocalStore
+from ldformat.stores.crc32c import crc32c_hex
 
 WHERE = "chain/anchors/7-abcd.safetensors"
 
@@ -115,6 +116,7 @@ print(hashlib.sha256(encode_anchor(every_dtype(), 7)).hexdigest())
 """
 
 
+@pytest.mark.procs
 def test_bytes_are_identical_across_processes() -> None:
     # safetensors.torch.save orders __metadata__ keys differently from one process to the next.
     here = str(Path(__file__).resolve().parent)
@@ -363,7 +365,7 @@ def test_metadata_must_name_the_step(meta: dict[str, str]) -> None:
 
 
 def test_every_format_dtype_has_a_safetensors_code() -> None:
-    from ldformat.jsonvalue import _DTYPES
+    from ldformat.format.dtypes import _DTYPES
 
     assert set(SAFETENSORS_DTYPES.values()) == set(_DTYPES.values())
     for code, dtype in SAFETENSORS_DTYPES.items():

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from ldformat import ChainWriter, LocalStore
-from ldformat.anchor import anchor_parts, encode_anchor, write_anchor_parts
-from ldformat.jsonvalue import object_checksum
+from ldformat.chain.validate import validate
+from ldformat.format.anchor import anchor_parts, encode_anchor, write_anchor_parts
+from ldformat.format.checksum import object_checksum
 from ldformat.stores import local as local_module
 from ldformat.stores.base import WRITEBACK_CHUNK, Part
 from ldformat.stores.memory import MemoryStore
-from ldformat.validate import validate
 
 
 def mixed_tensors(big: int) -> dict[str, torch.Tensor]:

@@ -17,7 +17,8 @@ from typing import Any
 
 import crash_writer as cw
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
+from clirun import invoke
 from models import assert_state_bits_equal, snapshot
 
 import ldformat
@@ -30,10 +31,10 @@ from ldformat import (
     StepNotFoundError,
     UnsupportedVersionError,
 )
-from ldformat.jsonvalue import canonical, with_checksum
-from ldformat.log import current_lock
+from ldformat.chain.lock import current_lock
+from ldformat.format.checksum import with_checksum
+from ldformat.format.jsonvalue import canonical
 from ldformat.stores import LocalStore
-from ldtools.cli import cli
 
 STEPS = 12
 ANCHOR_EVERY = 5  # anchors 0, 5, 10
@@ -66,7 +67,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 @pytest.fixture
-def chain(built: Any, tmp_path: Path) -> Path:
+def dense_chain(built: Any, tmp_path: Path) -> Path:
     """A private copy of the grad.dense chain."""
     src, _ = built("grad.dense")
     dst = tmp_path / "chain"
@@ -135,19 +136,9 @@ def rewrite_json(path: Path, change: Any, *, record: bool = False) -> None:
     path.write_bytes(canonical(doc) + b"\n" if record else json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n")
 
 
-def cli_run(*args: Any) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    # A raw exception would be caught by CliRunner and also exit 1: refuse that.
-    assert result.exception is None or isinstance(result.exception, SystemExit), (
-        f"ldtools {' '.join(map(str, args))} raised {result.exception!r}\n{result.output}"
-    )
-    assert "Traceback" not in result.output
-    return result
-
-
 def assert_cli_fails(code: int, *args: Any, names: tuple[str, ...] = ()) -> Result:
     """Exit ``code`` with one line on stderr that names every string of ``names``."""
-    result = cli_run(*args)
+    result = invoke(*args, code=None)
     assert result.exit_code == code, (result.exit_code, result.output)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -159,7 +150,7 @@ def assert_cli_fails(code: int, *args: Any, names: tuple[str, ...] = ()) -> Resu
 
 def assert_cli_validate_reports(chain: Path, *names: str) -> None:
     """``ldtools validate`` exits 1, lists the problem on stdout, one summary line on stderr."""
-    result = cli_run("validate", chain)
+    result = invoke("validate", chain, code=None)
     assert result.exit_code == 1, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "problem" in result.stderr, result.stderr
     for name in names:
@@ -186,11 +177,11 @@ def cli_materialize_fails(tmp_path: Path, chain: Path, step: int | None, code: i
 
 
 # -- damaged objects ---------------------------------------------------------------------
-def test_flipped_byte_in_an_anchor(chain: Path, built: Any, tmp_path: Path) -> None:
-    rel = anchor_rel(chain, 5)
-    flip_byte(chain / rel)
-    before = tree_digest(chain)
-    reader = ChainReader(chain)
+def test_flipped_byte_in_an_anchor(dense_chain: Path, built: Any, tmp_path: Path) -> None:
+    rel = anchor_rel(dense_chain, 5)
+    flip_byte(dense_chain / rel)
+    before = tree_digest(dense_chain)
+    reader = ChainReader(dense_chain)
     for step in (5, 7):  # the anchor itself, and a step replayed from it
         with pytest.raises(CorruptChainError, match="crc32c") as info:
             reader.materialize(step)
@@ -199,11 +190,11 @@ def test_flipped_byte_in_an_anchor(chain: Path, built: Any, tmp_path: Path) -> N
     _, live = built("grad.dense")
     for step in (3, 10, 12):
         assert_state_bits_equal(reader.materialize(step), live[step], f"step {step}")
-    assert_validate_reports(chain, rel, 5)
-    assert_cli_validate_reports(chain, rel)
-    cli_materialize_fails(tmp_path, chain, 5, 1, (rel, "step 5"))
-    assert cli_run("info", chain).exit_code == 0  # info reads the log, not the objects
-    assert tree_digest(chain) == before
+    assert_validate_reports(dense_chain, rel, 5)
+    assert_cli_validate_reports(dense_chain, rel)
+    cli_materialize_fails(tmp_path, dense_chain, 5, 1, (rel, "step 5"))
+    assert invoke("info", dense_chain, code=None).exit_code == 0  # info reads the log, not the objects
+    assert tree_digest(dense_chain) == before
 
 
 @pytest.mark.parametrize("kind", cw.KINDS)
@@ -226,139 +217,139 @@ def test_flipped_byte_in_any_object_of_a_delta_group(built: Any, tmp_path: Path,
     assert_state_bits_equal(ChainReader(chain).materialize(7), live[7], "step 7 repaired")
 
 
-def test_flipped_byte_in_a_delta_chunk_through_the_cli(chain: Path, tmp_path: Path) -> None:
-    group, objects = delta_group(chain, 7)
+def test_flipped_byte_in_a_delta_chunk_through_the_cli(dense_chain: Path, tmp_path: Path) -> None:
+    group, objects = delta_group(dense_chain, 7)
     rel = f"{group}/{next(o for o in objects if o.startswith('values_') and '/c/' in o)}"
-    flip_byte(chain / rel)
-    before = tree_digest(chain)
-    assert_cli_validate_reports(chain, rel)
-    cli_materialize_fails(tmp_path, chain, 8, 1, (rel, "step 6"))
-    cli_materialize_fails(tmp_path, chain, 7, 1, (rel,))
-    assert tree_digest(chain) == before
+    flip_byte(dense_chain / rel)
+    before = tree_digest(dense_chain)
+    assert_cli_validate_reports(dense_chain, rel)
+    cli_materialize_fails(tmp_path, dense_chain, 8, 1, (rel, "step 6"))
+    cli_materialize_fails(tmp_path, dense_chain, 7, 1, (rel,))
+    assert tree_digest(dense_chain) == before
 
 
 @pytest.mark.parametrize("where", [0.0, 0.25, 0.5, 0.75, 1.0], ids=lambda w: f"at{int(w * 100)}%")
 @pytest.mark.parametrize("seq", [3, "last"])
-def test_flipped_byte_in_a_log_record(chain: Path, tmp_path: Path, seq: Any, where: float) -> None:
-    rel = last_record(chain) if seq == "last" else record_rel(seq)
-    size = (chain / rel).stat().st_size
-    flip_byte(chain / rel, min(int(where * size), size - 1))
-    before = tree_digest(chain)
+def test_flipped_byte_in_a_log_record(dense_chain: Path, tmp_path: Path, seq: Any, where: float) -> None:
+    rel = last_record(dense_chain) if seq == "last" else record_rel(seq)
+    size = (dense_chain / rel).stat().st_size
+    flip_byte(dense_chain / rel, min(int(where * size), size - 1))
+    before = tree_digest(dense_chain)
     with pytest.raises(CorruptChainError) as info:
-        ChainReader(chain)
+        ChainReader(dense_chain)
     assert rel in str(info.value), str(info.value)
-    assert_validate_reports(chain, rel)
-    assert_cli_validate_reports(chain, rel)
-    assert_cli_fails(1, "info", chain, names=(rel,))
-    cli_materialize_fails(tmp_path, chain, None, 1, (rel,))
-    assert tree_digest(chain) == before
+    assert_validate_reports(dense_chain, rel)
+    assert_cli_validate_reports(dense_chain, rel)
+    assert_cli_fails(1, "info", dense_chain, names=(rel,))
+    cli_materialize_fails(tmp_path, dense_chain, None, 1, (rel,))
+    assert tree_digest(dense_chain) == before
 
 
-def test_flipped_byte_in_the_root_file(chain: Path, tmp_path: Path) -> None:
-    text = (chain / "ldformat.json").read_bytes()
+def test_flipped_byte_in_the_root_file(dense_chain: Path, tmp_path: Path) -> None:
+    text = (dense_chain / "ldformat.json").read_bytes()
     chain_id = json.loads(text)["chain_id"]
-    flip_byte(chain / "ldformat.json", text.index(chain_id.encode()) + 3)
-    before = tree_digest(chain)
+    flip_byte(dense_chain / "ldformat.json", text.index(chain_id.encode()) + 3)
+    before = tree_digest(dense_chain)
     with pytest.raises(CorruptChainError, match="checksum") as info:
-        ChainReader(chain)
+        ChainReader(dense_chain)
     assert "ldformat.json" in str(info.value)
-    assert_validate_reports(chain, "ldformat.json")
-    assert_cli_validate_reports(chain, "ldformat.json")
-    assert_cli_fails(1, "info", chain, names=("ldformat.json",))
-    cli_materialize_fails(tmp_path, chain, 3, 1, ("ldformat.json",))
-    assert tree_digest(chain) == before
+    assert_validate_reports(dense_chain, "ldformat.json")
+    assert_cli_validate_reports(dense_chain, "ldformat.json")
+    assert_cli_fails(1, "info", dense_chain, names=("ldformat.json",))
+    cli_materialize_fails(tmp_path, dense_chain, 3, 1, ("ldformat.json",))
+    assert tree_digest(dense_chain) == before
 
 
 @pytest.mark.parametrize("what", ["anchor", "record"])
-def test_truncated_file(chain: Path, tmp_path: Path, what: str) -> None:
-    rel = anchor_rel(chain, 10) if what == "anchor" else last_record(chain)
-    data = (chain / rel).read_bytes()
-    (chain / rel).write_bytes(data[: len(data) // 2])
-    before = tree_digest(chain)
+def test_truncated_file(dense_chain: Path, tmp_path: Path, what: str) -> None:
+    rel = anchor_rel(dense_chain, 10) if what == "anchor" else last_record(dense_chain)
+    data = (dense_chain / rel).read_bytes()
+    (dense_chain / rel).write_bytes(data[: len(data) // 2])
+    before = tree_digest(dense_chain)
     if what == "anchor":
         with pytest.raises(CorruptChainError, match="truncated") as info:
-            ChainReader(chain).materialize(11)
+            ChainReader(dense_chain).materialize(11)
         assert rel in str(info.value) and "step 10" in str(info.value), str(info.value)
-        assert_validate_reports(chain, rel, 10)
-        cli_materialize_fails(tmp_path, chain, 10, 1, (rel, "step 10"))
+        assert_validate_reports(dense_chain, rel, 10)
+        cli_materialize_fails(tmp_path, dense_chain, 10, 1, (rel, "step 10"))
     else:
         with pytest.raises(CorruptChainError) as info:
-            ChainReader(chain)
+            ChainReader(dense_chain)
         assert rel in str(info.value), str(info.value)
-        assert_validate_reports(chain, rel)
-        assert_cli_fails(1, "info", chain, names=(rel,))
-        cli_materialize_fails(tmp_path, chain, None, 1, (rel,))
-    assert_cli_validate_reports(chain, rel)
-    assert tree_digest(chain) == before
+        assert_validate_reports(dense_chain, rel)
+        assert_cli_fails(1, "info", dense_chain, names=(rel,))
+        cli_materialize_fails(tmp_path, dense_chain, None, 1, (rel,))
+    assert_cli_validate_reports(dense_chain, rel)
+    assert tree_digest(dense_chain) == before
 
 
 @pytest.mark.parametrize("what", ["anchor", "delta chunk"])
-def test_missing_object(chain: Path, tmp_path: Path, what: str) -> None:
+def test_missing_object(dense_chain: Path, tmp_path: Path, what: str) -> None:
     if what == "anchor":
-        rel, step, named_step = anchor_rel(chain, 5), 6, 5
+        rel, step, named_step = anchor_rel(dense_chain, 5), 6, 5
     else:
-        group, objects = delta_group(chain, 11)
+        group, objects = delta_group(dense_chain, 11)
         rel, step, named_step = f"{group}/{next(o for o in objects if '/c/' in o)}", 12, 11
-    (chain / rel).unlink()
-    before = tree_digest(chain)
+    (dense_chain / rel).unlink()
+    before = tree_digest(dense_chain)
     with pytest.raises(MissingObjectError) as info:
-        ChainReader(chain).materialize(step)
+        ChainReader(dense_chain).materialize(step)
     assert rel in str(info.value) and f"step {named_step}" in str(info.value), str(info.value)
-    assert_validate_reports(chain, rel, named_step)
-    assert_cli_validate_reports(chain, rel)
-    cli_materialize_fails(tmp_path, chain, step, 1, (rel, f"step {named_step}"))
-    assert tree_digest(chain) == before
+    assert_validate_reports(dense_chain, rel, named_step)
+    assert_cli_validate_reports(dense_chain, rel)
+    cli_materialize_fails(tmp_path, dense_chain, step, 1, (rel, f"step {named_step}"))
+    assert tree_digest(dense_chain) == before
 
 
-def test_missing_log_record(chain: Path, tmp_path: Path) -> None:
+def test_missing_log_record(dense_chain: Path, tmp_path: Path) -> None:
     rel = record_rel(3)
-    (chain / rel).unlink()
-    before = tree_digest(chain)
+    (dense_chain / rel).unlink()
+    before = tree_digest(dense_chain)
     with pytest.raises(CorruptChainError, match="missing") as info:
-        ChainReader(chain)
+        ChainReader(dense_chain)
     assert rel in str(info.value), str(info.value)
-    assert_validate_reports(chain, rel)
-    assert_cli_validate_reports(chain, rel)
-    assert_cli_fails(1, "info", chain, names=(rel,))
-    cli_materialize_fails(tmp_path, chain, 2, 1, (rel,))
-    assert tree_digest(chain) == before
+    assert_validate_reports(dense_chain, rel)
+    assert_cli_validate_reports(dense_chain, rel)
+    assert_cli_fails(1, "info", dense_chain, names=(rel,))
+    cli_materialize_fails(tmp_path, dense_chain, 2, 1, (rel,))
+    assert tree_digest(dense_chain) == before
 
 
-def test_validate_problems_name_the_object_and_step_separately(chain: Path) -> None:
+def test_validate_problems_name_the_object_and_step_separately(dense_chain: Path) -> None:
     # Problem.path is the object's path and Problem.step its step (``validate --json``
     # consumers read them as fields); str(problem) names the step once.
-    rel = anchor_rel(chain, 5)
-    flip_byte(chain / rel)
-    report = ldformat.validate(chain)
+    rel = anchor_rel(dense_chain, 5)
+    flip_byte(dense_chain / rel)
+    report = ldformat.validate(dense_chain)
     assert len(report.problems) == 1
     problem = report.problems[0]
-    assert problem.path == f"{chain}/{rel}", problem.path
+    assert problem.path == f"{dense_chain}/{rel}", problem.path
     assert problem.step == 5
     assert str(problem).count("step 5") == 1, str(problem)
 
 
 # -- versions and unknown fields -----------------------------------------------------------
-def test_unknown_major_version(chain: Path, tmp_path: Path) -> None:
-    rewrite_json(chain / "ldformat.json", lambda d: d.update(format_version="2.0"))
-    before = tree_digest(chain)
+def test_unknown_major_version(dense_chain: Path, tmp_path: Path) -> None:
+    rewrite_json(dense_chain / "ldformat.json", lambda d: d.update(format_version="2.0"))
+    before = tree_digest(dense_chain)
     with pytest.raises(UnsupportedVersionError) as info:
-        ChainReader(chain)
+        ChainReader(dense_chain)
     assert "ldformat.json" in str(info.value) and "2.0" in str(info.value), str(info.value)
     model, optimizer, _ = cw.make_training("grad.dense")
     with pytest.raises(UnsupportedVersionError):
-        ChainWriter.open(chain, model, optimizer)
-    assert_validate_reports(chain, "ldformat.json")
-    assert_cli_validate_reports(chain, "2.0")
-    assert_cli_fails(1, "info", chain, names=("ldformat.json", "2.0"))
-    cli_materialize_fails(tmp_path, chain, 3, 1, ("ldformat.json", "2.0"))
-    assert tree_digest(chain) == before
+        ChainWriter.open(dense_chain, model, optimizer)
+    assert_validate_reports(dense_chain, "ldformat.json")
+    assert_cli_validate_reports(dense_chain, "2.0")
+    assert_cli_fails(1, "info", dense_chain, names=("ldformat.json", "2.0"))
+    cli_materialize_fails(tmp_path, dense_chain, 3, 1, ("ldformat.json", "2.0"))
+    assert tree_digest(dense_chain) == before
 
 
-def test_newer_minor_version_is_read(chain: Path, built: Any) -> None:
-    rewrite_json(chain / "ldformat.json", lambda d: d.update(format_version="1.9"))
+def test_newer_minor_version_is_read(dense_chain: Path, built: Any) -> None:
+    rewrite_json(dense_chain / "ldformat.json", lambda d: d.update(format_version="1.9"))
     _, live = built("grad.dense")
-    assert ldformat.validate(chain).ok
-    assert_state_bits_equal(ChainReader(chain).materialize(12), live[12], "step 12")
+    assert ldformat.validate(dense_chain).ok
+    assert_state_bits_equal(ChainReader(dense_chain).materialize(12), live[12], "step 12")
 
 
 UNKNOWN_FIELD_PLACES = {
@@ -371,57 +362,57 @@ UNKNOWN_FIELD_PLACES = {
 
 
 @pytest.mark.parametrize("where", list(UNKNOWN_FIELD_PLACES))
-def test_unknown_must_understand_field(chain: Path, tmp_path: Path, where: str) -> None:
+def test_unknown_must_understand_field(dense_chain: Path, tmp_path: Path, where: str) -> None:
     field = {"sparse_dictionary": {"id": 7}}
-    rel = "ldformat.json" if where == "root" else last_record(chain)
-    rewrite_json(chain / rel, lambda d: UNKNOWN_FIELD_PLACES[where](d, field), record=where != "root")
-    before = tree_digest(chain)
+    rel = "ldformat.json" if where == "root" else last_record(dense_chain)
+    rewrite_json(dense_chain / rel, lambda d: UNKNOWN_FIELD_PLACES[where](d, field), record=where != "root")
+    before = tree_digest(dense_chain)
     with pytest.raises(UnsupportedVersionError, match="sparse_dictionary") as info:
-        ChainReader(chain)
+        ChainReader(dense_chain)
     assert rel in str(info.value), str(info.value)
-    assert_validate_reports(chain, rel)
-    assert_cli_validate_reports(chain, "sparse_dictionary")
-    assert_cli_fails(1, "info", chain, names=(rel, "sparse_dictionary"))
-    cli_materialize_fails(tmp_path, chain, None, 1, (rel,))
-    assert tree_digest(chain) == before
+    assert_validate_reports(dense_chain, rel)
+    assert_cli_validate_reports(dense_chain, "sparse_dictionary")
+    assert_cli_fails(1, "info", dense_chain, names=(rel, "sparse_dictionary"))
+    cli_materialize_fails(tmp_path, dense_chain, None, 1, (rel,))
+    assert tree_digest(dense_chain) == before
 
 
 @pytest.mark.parametrize("where", list(UNKNOWN_FIELD_PLACES))
-def test_unknown_field_marked_not_must_understand_is_ignored(chain: Path, built: Any, where: str) -> None:
+def test_unknown_field_marked_not_must_understand_is_ignored(dense_chain: Path, built: Any, where: str) -> None:
     field = {"sparse_dictionary": {"id": 7, "must_understand": False}}
-    rel = "ldformat.json" if where == "root" else last_record(chain)
-    rewrite_json(chain / rel, lambda d: UNKNOWN_FIELD_PLACES[where](d, field), record=where != "root")
+    rel = "ldformat.json" if where == "root" else last_record(dense_chain)
+    rewrite_json(dense_chain / rel, lambda d: UNKNOWN_FIELD_PLACES[where](d, field), record=where != "root")
     _, live = built("grad.dense")
-    report = ldformat.validate(chain)
+    report = ldformat.validate(dense_chain)
     assert report.ok, [str(p) for p in report.problems]
-    assert_state_bits_equal(ChainReader(chain).materialize(STEPS), live[STEPS], f"step {STEPS}")
+    assert_state_bits_equal(ChainReader(dense_chain).materialize(STEPS), live[STEPS], f"step {STEPS}")
 
 
 # -- steps -------------------------------------------------------------------------------
 @pytest.mark.parametrize("step", [13, 999, -1])
-def test_step_out_of_range(chain: Path, tmp_path: Path, step: int) -> None:
-    before = tree_digest(chain)
+def test_step_out_of_range(dense_chain: Path, tmp_path: Path, step: int) -> None:
+    before = tree_digest(dense_chain)
     with pytest.raises(StepNotFoundError) as info:
-        ChainReader(chain).materialize(step)
+        ChainReader(dense_chain).materialize(step)
     msg = str(info.value)
-    assert f"step {step}" in msg and f"0-{STEPS}" in msg and str(chain) in msg, msg
+    assert f"step {step}" in msg and f"0-{STEPS}" in msg and str(dense_chain) in msg, msg
     assert isinstance(info.value, KeyError)
-    cli_materialize_fails(tmp_path, chain, step, 1, (f"step {step}", f"0-{STEPS}"))
-    assert ldformat.validate(chain).ok
-    assert tree_digest(chain) == before
+    cli_materialize_fails(tmp_path, dense_chain, step, 1, (f"step {step}", f"0-{STEPS}"))
+    assert ldformat.validate(dense_chain).ok
+    assert tree_digest(dense_chain) == before
 
 
-def test_chain_without_a_committed_step(chain: Path, tmp_path: Path) -> None:
+def test_chain_without_a_committed_step(dense_chain: Path, tmp_path: Path) -> None:
     """A root without records is corrupt (spec §7.3), not an empty chain."""
-    shutil.rmtree(chain / "log")
-    shutil.rmtree(chain / "anchors")
-    shutil.rmtree(chain / "deltas")
-    before = tree_digest(chain)
+    shutil.rmtree(dense_chain / "log")
+    shutil.rmtree(dense_chain / "anchors")
+    shutil.rmtree(dense_chain / "deltas")
+    before = tree_digest(dense_chain)
     with pytest.raises(CorruptChainError, match="no commit record") as info:
-        ChainReader(chain).materialize()
-    assert str(chain) in str(info.value)
-    cli_materialize_fails(tmp_path, chain, None, 1, (str(chain), "no commit record"))
-    assert tree_digest(chain) == before
+        ChainReader(dense_chain).materialize()
+    assert str(dense_chain) in str(info.value)
+    cli_materialize_fails(tmp_path, dense_chain, None, 1, (str(dense_chain), "no commit record"))
+    assert tree_digest(dense_chain) == before
 
 
 # -- not a chain -------------------------------------------------------------------------
@@ -459,15 +450,15 @@ def test_not_a_chain(tmp_path: Path, what: str) -> None:
 
 
 # -- a writer opened on a damaged chain --------------------------------------------------
-def test_open_on_a_damaged_log_leaves_it_as_it_was(chain: Path) -> None:
-    rel = last_record(chain)
-    flip_byte(chain / rel)
-    before = tree_digest(chain)
+def test_open_on_a_damaged_log_leaves_it_as_it_was(dense_chain: Path) -> None:
+    rel = last_record(dense_chain)
+    flip_byte(dense_chain / rel)
+    before = tree_digest(dense_chain)
     model, optimizer, _ = cw.make_training("grad.dense")
     with pytest.raises(CorruptChainError) as info:
-        ChainWriter.open(chain, model, optimizer)
+        ChainWriter.open(dense_chain, model, optimizer)
     assert rel in str(info.value), str(info.value)
-    assert tree_digest(chain) == before, "a failed open changed the chain"
+    assert tree_digest(dense_chain) == before, "a failed open changed the chain"
 
 
 def test_open_on_a_damaged_xor_chain_leaves_it_as_it_was(built: Any, tmp_path: Path) -> None:

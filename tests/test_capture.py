@@ -38,15 +38,15 @@ import capture_trainer as ct
 import pytest
 import torch
 from models import TinyNet, assert_state_bits_equal, batch, bits, snapshot
+from paths import SUPPORT
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ldformat
 from ldformat import ChainReader, LdformatError, ResumableSampler
-from ldformat.state import bits_view
+from ldformat.format.state import bits_view
 from ldformat.stores import LocalStore
 
-HERE = Path(__file__).resolve().parent
 MODES = ct.MODES
 # The crash step of each mode: random, but the same in every run of the suite.
 KILL_AT = {mode: random.Random(f"ldformat-capture-{mode}").randint(ct.MIN_DURABLE_BEFORE_KILL + 4, 24)
@@ -82,8 +82,8 @@ class Trainer:
         self.work = work
         self.log = open(work.parent / "capture_trainer.log", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "capture_trainer.py"), str(work), json.dumps(KILL_AT)],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(HERE),
+            [sys.executable, str(SUPPORT / "capture_trainer.py"), str(work), json.dumps(KILL_AT)],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=str(SUPPORT),
             start_new_session=True,  # its own process group: stop() can end the runs it forked
         )
         self.exits: dict[str, Any] | None = None
@@ -110,13 +110,20 @@ class Trainer:
         self.log.close()
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trainer]:
-    # Autouse: the subprocess runs start with the module and overlap the in-process tests.
     work = tmp_path_factory.mktemp("capture_trainer") / "work"
     t = Trainer(work)
     yield t
     t.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _trainer_starts_with_the_module(request: pytest.FixtureRequest) -> None:
+    """The subprocess runs start with the module and overlap the in-process tests, unless no
+    test that reads them is selected (``-m "not procs"``): then they do not start at all."""
+    if any(item.module is request.module and "trainer" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("trainer")
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -723,6 +730,7 @@ def test_sampler_resumes_a_dataloader_across_epoch_boundaries(drop_last: bool) -
 
 
 # -- 1 and 6. the subprocess runs (last: the background trainer has had the longest to finish) --
+@pytest.mark.procs
 @pytest.mark.parametrize("mode", MODES)
 def test_kill_and_resume_continues_bit_exact(trainer: Trainer, mode: str) -> None:
     exits = trainer.wait()[mode]
@@ -767,6 +775,7 @@ def test_kill_and_resume_continues_bit_exact(trainer: Trainer, mode: str) -> Non
     assert_chain_matches_dumps(work / "chain-ref", ref, f"{mode} uninterrupted chain")
 
 
+@pytest.mark.procs
 def test_lowdiff_resume_from_delta_step_restarts_residuals(trainer: Trainer) -> None:
     """``exact=False`` from a delta step: training diverges, the chain stays exact for it.
 
@@ -798,6 +807,7 @@ def test_lowdiff_resume_from_delta_step_restarts_residuals(trainer: Trainer) -> 
     assert_chain_matches_dumps(work / "chain-inexact", expected, "lowdiff chain resumed from a delta step")
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("how", ["normal", "exception"])
 def test_exit_without_close_still_commits(trainer: Trainer, how: str) -> None:
     """A process that never calls close() commits its last (partial) batch at exit."""

@@ -20,13 +20,13 @@ import safetensors
 import safetensors.torch
 import torch
 from bitwise import assert_same
-from click.testing import CliRunner, Result
+from click.testing import Result
+from clirun import invoke
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, TopK
-from ldformat.jsonvalue import decode
-from ldtools.cli import cli
+from ldformat.format.jsonvalue import decode
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
@@ -40,17 +40,6 @@ COMMANDS = ["info", "log", "materialize", "validate", "compact", "truncate"]
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def invoke(*args: Any, code: int = 0) -> Result:
-    """Run ldtools in-process; check the exit code and that nothing printed a traceback."""
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert "Traceback" not in result.output, result.output
-    assert "Traceback" not in result.stderr, result.stderr
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"ldtools {args} raised {result.exception!r}") from result.exception
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}, output:\n{result.output}"
-    return result
-
-
 def one_line_error(result: Result) -> str:
     """The single stderr line of a failed command (and nothing on stdout)."""
     lines = result.stderr.strip().splitlines()

@@ -24,8 +24,9 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from click.testing import CliRunner, Result
-from models import TinyNet, build_grad_chain
+from click.testing import CliRunner
+from clirun import child_env, invoke, ldtools_cmd
+from models import GRAD_CHAIN_ANCHOR_EVERY, GRAD_CHAIN_STEPS, TinyNet
 
 import ldformat
 import ldtools.cli
@@ -37,35 +38,19 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
 )
 
-STEPS = 12
-ANCHOR_EVERY = 10
+STEPS = GRAD_CHAIN_STEPS
+ANCHOR_EVERY = GRAD_CHAIN_ANCHOR_EVERY
 COMMANDS: list[list[str]] = [
     ["info"], ["info", "--json"], ["log"], ["log", "--json"], ["validate"], ["validate", "--json"],
     ["compact", "--dry-run"], ["compact", "--dry-run", "--json"],
 ]
-REPO = Path(__file__).resolve().parent.parent
 
 
 # -- helpers ---------------------------------------------------------------------------------
-def build_chain(path: Path, steps: int = STEPS) -> Path:
-    return Path(build_grad_chain(path, steps, ANCHOR_EVERY))
-
-
 @pytest.fixture(autouse=True)
 def _no_debug_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv("LDTOOLS_DEBUG", raising=False)
     yield
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chain(tmp_path_factory.mktemp("chains") / "chain")
-
-
-@pytest.fixture
-def chain(pristine: Path, tmp_path: Path) -> Path:
-    """A private copy of a 12-step grad.dense chain (anchors at 0 and 10, batches of 4 steps)."""
-    return Path(shutil.copytree(pristine, tmp_path / "chain"))
 
 
 def odd_dir(parent: Path, stem: str = "ch") -> Path:
@@ -79,26 +64,16 @@ def odd_dir(parent: Path, stem: str = "ch") -> Path:
 
 
 @pytest.fixture
-def odd_chain(pristine: Path, tmp_path: Path) -> Path:
+def odd_chain(grad_chain_pristine: Path, tmp_path: Path) -> Path:
     """The chain, in a directory whose name has the byte 0xff."""
     path = odd_dir(tmp_path)
     path.rmdir()
-    return Path(shutil.copytree(pristine, path))
-
-
-def run(*args: Any, env: dict[str, str] | None = None) -> Result:
-    """Run ldtools in-process; a raw exception is a failure (CliRunner would hide it as exit 1)."""
-    result = CliRunner().invoke(cli, [str(a) for a in args], env=env)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"ldtools {args} raised {result.exception!r}\n{result.output}") from result.exception
-    assert "Traceback" not in result.output, result.output
-    return result
+    return Path(shutil.copytree(grad_chain_pristine, path))
 
 
 def fails(code: int, *args: Any, names: tuple[str, ...] = (), env: dict[str, str] | None = None) -> str:
     """``ldtools args`` exits ``code`` with one line on stderr naming ``names``; returns that line."""
-    result = run(*args, env=env)
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}, output:\n{result.output}"
+    result = invoke(*args, env=env, code=code)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("ldtools: error: "), lines[0]
@@ -114,18 +89,6 @@ def files_in(directory: Path) -> list[str]:
 
 def anchor_file(chain: Path, step: int) -> Path:
     return next(p for p in (chain / "anchors").rglob(f"{step}-*") if p.is_file())
-
-
-def ldtools_cmd(*args: Any) -> list[str]:
-    return [sys.executable, "-m", "ldtools", *map(str, args)]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("LDTOOLS_DEBUG", None)
-    env.update(extra)
-    return env
 
 
 # -- 1. an output that cannot be written: exit 3, one line, no partial file --------------------
@@ -201,7 +164,7 @@ def test_materialize_write_failure_mid_file(chain: Path, tmp_path: Path, monkeyp
         assert target.read_bytes() == b"previous"
     # Without the fault the same command writes the file (and only it).
     monkeypatch.undo()
-    assert run("materialize", chain, "--step", 7, "-o", target, "--force").exit_code == 0
+    invoke("materialize", chain, "--step", 7, "-o", target, "--force")
     assert files_in(out_dir) == ["state" + suffix]
 
 
@@ -225,6 +188,7 @@ def test_materialize_fsync_or_rename_failure(chain: Path, tmp_path: Path, monkey
     assert files_in(tmp_path) == ["chain"]
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE and SIGXFSZ (POSIX)")
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_materialize_real_write_error_in_a_process(chain: Path, tmp_path: Path, suffix: str) -> None:
@@ -279,12 +243,13 @@ def test_materialize_into_a_read_only_directory(chain: Path, tmp_path: Path) -> 
 def test_materialize_output_mode_honours_umask(chain: Path, tmp_path: Path, suffix: str, umask: int) -> None:
     old = os.umask(umask)
     try:
-        assert run("materialize", chain, "-o", tmp_path / f"x{suffix}").exit_code == 0
+        invoke("materialize", chain, "-o", tmp_path / f"x{suffix}")
     finally:
         os.umask(old)
     assert (tmp_path / f"x{suffix}").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(sys.platform != "linux", reason="needs a /dev/full that fails writes")
 @pytest.mark.parametrize("args", [["log"], ["info", "--json"]])
 def test_stdout_on_a_full_device(chain: Path, args: list[str]) -> None:
@@ -302,6 +267,7 @@ def test_stdout_on_a_full_device(chain: Path, args: list[str]) -> None:
     assert proc.returncode == 3 and err.count("\n") == 1 and "standard output" in err and "[ENOSPC]" in err, err
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="needs RLIMIT_FSIZE and SIGXFSZ (POSIX)")
 def test_stdout_to_a_file_that_cannot_grow(chain: Path, tmp_path: Path) -> None:
     """``ldtools log --json CHAIN > file`` where the write fails: exit 3, not a chain problem."""
@@ -362,6 +328,7 @@ def test_broken_pipe_is_quiet_141(chain: Path, tmp_path: Path, monkeypatch: pyte
     assert err == "", err
 
 
+@pytest.mark.procs
 def test_broken_pipe_after_head_took_its_line(chain: Path) -> None:
     """``(echo first; ldtools log CHAIN) | head -n 1``: head has exited when ldtools writes."""
     if shutil.which("head") is None:
@@ -379,6 +346,7 @@ def test_broken_pipe_after_head_took_its_line(chain: Path) -> None:
         assert err == b"", err.decode()
 
 
+@pytest.mark.procs
 def test_pipe_into_head(chain: Path, tmp_path: Path) -> None:
     """A plain ``ldtools log CHAIN | head -n 1``: whichever way the race goes, quiet, and 0 or 141."""
     if shutil.which("bash") is None or shutil.which("head") is None:
@@ -400,13 +368,13 @@ def escaped(path: Path) -> str:
 def test_undecodable_chain_path_in_process(odd_chain: Path, tmp_path: Path) -> None:
     shown = escaped(odd_chain)
     assert "\\xff" in shown
-    out = run("info", odd_chain)
+    out = invoke("info", odd_chain, code=None)
     assert out.exit_code == 0 and f"chain        {shown}  " in out.stdout, out.output
-    assert json.loads(run("info", odd_chain, "--json").stdout)["path"] == str(odd_chain)  # lossless in JSON
-    assert run("log", odd_chain).exit_code == 0
-    assert run("validate", odd_chain).stdout.startswith("ok: ")
+    assert json.loads(invoke("info", odd_chain, "--json").stdout)["path"] == str(odd_chain)  # lossless in JSON
+    invoke("log", odd_chain)
+    assert invoke("validate", odd_chain, code=None).stdout.startswith("ok: ")
     out_dir = odd_dir(tmp_path, "out")
-    result = run("materialize", odd_chain, "--step", 5, "-o", out_dir / "x.pt")
+    result = invoke("materialize", odd_chain, "--step", 5, "-o", out_dir / "x.pt", code=None)
     assert result.exit_code == 0 and f"to {escaped(out_dir / 'x.pt')} (" in result.stdout, result.output
     assert torch.load(out_dir / "x.pt", weights_only=True)["step"] == 5
     # Errors naming the path print too.
@@ -417,14 +385,15 @@ def test_undecodable_chain_path_in_process(odd_chain: Path, tmp_path: Path) -> N
     data = bytearray(anchor.read_bytes())
     data[len(data) // 2] ^= 0xFF
     anchor.write_bytes(bytes(data))
-    result = run("validate", odd_chain)
+    result = invoke("validate", odd_chain, code=None)
     assert result.exit_code == 1, result.output
     assert escaped(anchor) in result.stdout and f"(step {ANCHOR_EVERY})" in result.stdout, result.stdout
-    report = json.loads(run("validate", odd_chain, "--json").stdout)
+    report = json.loads(invoke("validate", odd_chain, "--json", code=None).stdout)
     assert report["problems"][0]["path"] == str(anchor)
     fails(1, "materialize", odd_chain, "-o", out_dir / "z.pt", names=(escaped(anchor), f"step {ANCHOR_EVERY}"))
 
 
+@pytest.mark.procs
 def test_undecodable_chain_path_in_a_process(odd_chain: Path, tmp_path: Path) -> None:
     """With a strict stdout encoding (PYTHONIOENCODING), as under a UTF-8 locale."""
     encoding = "utf-8"
@@ -453,7 +422,7 @@ def test_undecodable_chain_path_in_a_process(odd_chain: Path, tmp_path: Path) ->
 
 # -- 4. exit codes ----------------------------------------------------------------------------
 def test_help_documents_every_exit_code() -> None:
-    out = run("--help").stdout
+    out = invoke("--help", code=None).stdout
     import re
 
     for code in ("0", "1", "2", "3", "4", "70", "130", "141"):
@@ -464,9 +433,9 @@ def test_help_documents_every_exit_code() -> None:
 def test_usage_errors_exit_2(chain: Path, tmp_path: Path) -> None:
     fails(2, "info", tmp_path / "nothing", names=(str(tmp_path / "nothing"),))
     fails(2, "materialize", chain, "-o", tmp_path / "x.txt", names=("x.txt",))
-    result = run("materialize", chain, "--step", "seven", "-o", tmp_path / "x.pt")
+    result = invoke("materialize", chain, "--step", "seven", "-o", tmp_path / "x.pt", code=None)
     assert result.exit_code == 2 and "seven" in result.stderr
-    assert run("frobnicate").exit_code == 2
+    assert invoke("frobnicate", code=None).exit_code == 2
 
 
 def test_chain_problems_exit_1(chain: Path, tmp_path: Path) -> None:
@@ -521,7 +490,7 @@ def test_locked_chain_exits_4(chain: Path) -> None:
     finally:
         writer.close()
     assert ChainReader(chain).steps == list(range(STEPS + 1))
-    assert run("truncate", chain, "--after", 5, "--yes").exit_code == 0
+    invoke("truncate", chain, "--after", 5, "--yes")
 
 
 @pytest.mark.parametrize("error", [ChainLockedError, LockLostError])
@@ -542,7 +511,7 @@ def raise_in_info(monkeypatch: pytest.MonkeyPatch, exc: BaseException) -> None:
 
 def test_unexpected_exception_is_one_line_exit_70(chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     raise_in_info(monkeypatch, ValueError("boom\nsecond line"))
-    result = run("info", chain, env={"LDTOOLS_DEBUG": ""})
+    result = invoke("info", chain, env={"LDTOOLS_DEBUG": ""}, code=None)
     assert result.exit_code == 70, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ldtools: internal error: ValueError: boom second line"), lines
@@ -565,6 +534,7 @@ def test_debug_prints_the_traceback_and_keeps_the_code(chain: Path, monkeypatch:
     assert result.exit_code == 2 and "Traceback" in result.stderr, result.output
 
 
+@pytest.mark.procs
 def test_a_process_never_prints_a_traceback(chain: Path, tmp_path: Path) -> None:
     """A real process with an internal error: one line, exit 70; LDTOOLS_DEBUG=1 adds the traceback."""
     script = ("import sys, ldtools.cli as c\n"
@@ -588,7 +558,7 @@ def test_interrupt_and_declined_confirmation_exit_130(chain: Path, monkeypatch: 
         raise KeyboardInterrupt
 
     monkeypatch.setattr(ldformat, "validate", interrupted)
-    result = run("validate", chain)
+    result = invoke("validate", chain, code=None)
     assert result.exit_code == 130 and result.stderr.strip() == "ldtools: interrupted", result.output
     monkeypatch.undo()
 

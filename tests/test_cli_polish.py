@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,10 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
-from click.testing import CliRunner, Result
+from clirun import child_env, invoke, ldtools_cmd
 from models import TinyNet, bits, train_step
 
 from ldformat import ChainReader, ChainWriter, TopK
-from ldtools.cli import cli
 from ldtools.progress import PROGRESS_ENV, ProgressBar, progress_wanted
 
 pytestmark = pytest.mark.filterwarnings(
@@ -35,7 +33,6 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 KINDS = ["grad.dense", "grad.topk", "state.xor"]
-REPO = Path(__file__).resolve().parent.parent
 LOG_HEADER = ["SEQ", "TIME", "TYPE", "DELTAS", "ANCHORS", "BYTES", "REASON"]
 
 
@@ -52,29 +49,6 @@ def build(path: Path, kind: str = "grad.dense", steps: int = 5, anchor_every: in
             train_step(model, opt, step, compress=topk.compress_ if topk else None)
             writer.record_step(step)
     return path
-
-
-def invoke(*args: Any, code: int = 0, env: dict[str, str] | None = None) -> Result:
-    """Run ldtools in-process; check the exit code and that nothing printed a traceback."""
-    result = CliRunner().invoke(cli, [str(a) for a in args], env=env)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"ldtools {args} raised {result.exception!r}\n{result.output}") from result.exception
-    assert "Traceback" not in result.output, result.output
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}, output:\n{result.output}"
-    return result
-
-
-def ldtools_cmd(*args: Any) -> list[str]:
-    return [sys.executable, "-m", "ldtools", *map(str, args)]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
-    for name in ("LDTOOLS_DEBUG", PROGRESS_ENV):
-        env.pop(name, None)
-    env.update(extra)
-    return env
 
 
 def files(chain: Path) -> dict[str, int]:
@@ -171,6 +145,7 @@ def test_progress_environment_variable_and_flag(two_anchors: Path, tmp_path: Pat
         assert "--progress / --no-progress" in invoke(command, "--help").stdout
 
 
+@pytest.mark.procs
 def test_piped_process_prints_no_bar(two_anchors: Path, tmp_path: Path) -> None:
     """A real process with stdout and stderr pipes: no bar; the file's mode is the umask's (item 7 too)."""
     proc = subprocess.run(ldtools_cmd("materialize", two_anchors, "--step", 7, "-o", tmp_path / "x.safetensors"),
@@ -181,6 +156,7 @@ def test_piped_process_prints_no_bar(two_anchors: Path, tmp_path: Path) -> None:
     assert (tmp_path / "x.safetensors").stat().st_mode & 0o777 == 0o640
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
 def test_bar_on_a_terminal_by_default(two_anchors: Path, tmp_path: Path) -> None:
     """stderr a terminal, stdout a pipe: the bar is drawn on the terminal, stdout stays clean."""
@@ -206,6 +182,7 @@ def test_bar_on_a_terminal_by_default(two_anchors: Path, tmp_path: Path) -> None
     assert out.decode().startswith("wrote step 7 to ") and b"\r" not in out
 
 
+@pytest.mark.procs
 def test_bar_never_fails_the_command(two_anchors: Path, tmp_path: Path) -> None:
     """A forced bar on a stderr whose reader has gone: the command still succeeds."""
     read_end, write_end = os.pipe()
@@ -390,6 +367,7 @@ def test_compact_dry_run_matches_the_real_run(tmp_path: Path, kind: str, args: l
 
 
 # -- 6. a closed stdout pipe: quiet, exit 141 (spec 18.1) ----------------------------------------
+@pytest.mark.procs
 def test_stdout_closed_early_is_quiet_141(two_anchors: Path, tmp_path: Path) -> None:
     """No traceback, no error line, no exit 1: the code of a process killed by SIGPIPE."""
     commands = [["log", two_anchors], ["materialize", two_anchors, "--step", 7, "-o", tmp_path / "x.pt", "--progress"]]
@@ -409,6 +387,7 @@ def test_stdout_closed_early_is_quiet_141(two_anchors: Path, tmp_path: Path) -> 
             assert err == "", (args, err)
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(shutil.which("head") is None, reason="needs head(1)")
 def test_pipe_into_head_c1(two_anchors: Path) -> None:
     """``ldtools info --json CHAIN | head -c1``: one byte out, nothing on stderr, exit 0 or 141."""

@@ -5,7 +5,7 @@ directory that DCP loads on other meshes (a plain model without a process group,
 world 1); compact and truncate change every rank chain alike, and refuse one rank chain on
 its own; sync replicates it whole, and a job mirrors it.
 
-The chain is made once per module (tests/sharded_chain_maker.py, ~3 s); the DCP directory is
+The chain is made once per session (the ``fsdp_chain`` fixture of tests/conftest.py, ~3 s); the DCP directory is
 loaded in a fresh process, as a job of another world size would load it.
 """
 
@@ -16,7 +16,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,18 +24,18 @@ from typing import Any
 import pytest
 import torch
 from bitwise import assert_same
-from click.testing import CliRunner, Result
+from click.testing import Result
+from clirun import invoke
+from make_sharded import FSDP_STEPS, FSDP_WORLD, TIMEOUT_S, finish, run_maker
+from ports import gloo_env
 
 import ldformat
-from ldformat.dcp import dcp_state_dict, export_dcp
-from ldformat.jsonvalue import decode
-from ldformat.sharded import read_commits
-from ldtools.cli import cli
+from ldformat.export.dcp import dcp_state_dict, export_dcp
+from ldformat.format.jsonvalue import decode
+from ldformat.sharded.chain import read_commits
 
-MAKER = Path(__file__).parent / "sharded_chain_maker.py"
-WORLD = 2
-STEPS = 7
-TIMEOUT_S = 120
+WORLD = FSDP_WORLD
+STEPS = FSDP_STEPS
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -46,16 +45,6 @@ pytestmark = [
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-def invoke(*args: Any, code: int = 0) -> Result:
-    """ldtools in this process; checks the exit code and that no traceback was printed."""
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert "Traceback" not in result.output, result.output
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"ldtools {args} raised {result.exception!r}") from result.exception
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}, output:\n{result.output}"
-    return result
-
-
 def error_line(result: Result) -> str:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ldtools: error: "), result.stderr
@@ -73,44 +62,10 @@ def digest(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file() and "lock" not in p.parts}
 
 
-def run_maker(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(MAKER), *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def finish(procs: list[subprocess.Popen[str]]) -> list[str]:
-    """Wait for every process (at most TIMEOUT_S in all); kill any left; their outputs."""
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outputs.append(p.communicate()[0] + f"\n(killed after {TIMEOUT_S} s)")
-    assert [p.returncode for p in procs] == [0] * len(procs), "\n---\n".join(outputs)
-    return outputs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # -- the chain -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A world-2 FSDP2 xor chain of STEPS steps (anchors every 3 steps, commits every 2)."""
-    out = tmp_path_factory.mktemp("cli-sharded")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    finish([run_maker(["make", str(r), str(WORLD), str(out), str(STEPS)], env) for r in range(WORLD)])
-    return out / "chain"
-
-
-@pytest.fixture(scope="module")
-def reader(chain: Path) -> ldformat.ShardedReader:
-    opened = ldformat.open_reader(chain)
+def reader(fsdp_chain: Path) -> ldformat.ShardedReader:
+    opened = ldformat.open_reader(fsdp_chain)
     assert isinstance(opened, ldformat.ShardedReader)
     assert opened.steps == list(range(STEPS + 1)), opened.steps
     return opened
@@ -122,25 +77,25 @@ def names(reader: ldformat.ShardedReader) -> list[str]:
 
 
 # -- info, log, validate ---------------------------------------------------------------------------
-def test_info_text(chain: Path, reader: ldformat.ShardedReader) -> None:
-    out = invoke("info", chain).stdout
+def test_info_text(fsdp_chain: Path, reader: ldformat.ShardedReader) -> None:
+    out = invoke("info", fsdp_chain).stdout
     assert f"(sharded, format 1.3, kind {reader.kind})" in out
     assert f"ranks        {WORLD}, mesh [{WORLD}]" in out
     assert f"steps        {STEPS + 1} committed (0 .. {STEPS})" in out
     assert f"anchors      {len(reader.anchors)}  [{', '.join(map(str, reader.anchors))}]" in out
     assert "(rank 0: " in out and ", rank 1: " in out
     assert "full state   " in out and f"at step {STEPS}" in out
-    rank = invoke("info", chain / "ranks" / "00001").stdout
-    assert f"the sharded chain {chain}, as rank 1" in rank
+    rank = invoke("info", fsdp_chain / "ranks" / "00001").stdout
+    assert f"the sharded chain {fsdp_chain}, as rank 1" in rank
 
 
-def test_info_json(chain: Path, reader: ldformat.ShardedReader) -> None:
-    data = json.loads(invoke("info", chain, "--json").stdout)
+def test_info_json(fsdp_chain: Path, reader: ldformat.ShardedReader) -> None:
+    data = json.loads(invoke("info", fsdp_chain, "--json").stdout)
     assert (data["format_version"], data["kind"], data["world_size"]) == ("1.3", reader.kind, WORLD)
     assert data["mesh"] == {"shape": [WORLD], "dim_names": None}
     assert (data["steps"], data["first_step"], data["latest_step"]) == (STEPS + 1, 0, STEPS)
     assert data["anchors"] == reader.anchors and data["pending_steps"] == []
-    assert data["commits"] == len(list((chain / "commits").glob("*.json"))) == len(read_commits(reader.store, "x"))
+    assert data["commits"] == len(list((fsdp_chain / "commits").glob("*.json"))) == len(read_commits(reader.store, "x"))
     assert data["bytes_per_rank"] == [r.bytes_on_disk() for r in reader.ranks.values()]
     assert data["bytes_on_disk"] == sum(data["bytes_per_rank"]) == reader.bytes_on_disk()
     # The full-state size, measured from rank 0's chain and the layout, is that of the assembled state.
@@ -155,17 +110,18 @@ def test_info_json(chain: Path, reader: ldformat.ShardedReader) -> None:
                                                                     / data["bytes_on_disk"])
 
 
-def test_info_of_a_layout_the_ranks_do_not_match(chain: Path, tmp_path: Path) -> None:
+def test_info_of_a_layout_the_ranks_do_not_match(fsdp_chain: Path, tmp_path: Path) -> None:
     """A layout (re-checksummed) that claims a bigger tensor than the ranks store: info still
     summarizes the chain, and says why it cannot size the full state instead of trusting it."""
     import dataclasses
     import shutil
 
-    from ldformat.sharded import SHARDED_ROOT, ShardedRoot
-    from ldformat.shards import Layout, Shard
+    from ldformat.chain.sharded_probe import SHARDED_ROOT
+    from ldformat.sharded.chain import ShardedRoot
+    from ldformat.sharded.layout import Layout, Shard
 
     copy = tmp_path / "chain"
-    shutil.copytree(chain, copy)
+    shutil.copytree(fsdp_chain, copy)
     root = ShardedRoot.from_bytes((copy / SHARDED_ROOT).read_bytes(), "root")
     big = Layout("float32", (1 << 30, 16), (Shard(0, (0, 0), (1 << 29, 16)), Shard(1, (1 << 29, 0), (1 << 29, 16))))
     crafted = dataclasses.replace(root, tensors={**root.tensors, "model/a.weight": big})
@@ -177,58 +133,59 @@ def test_info_of_a_layout_the_ranks_do_not_match(chain: Path, tmp_path: Path) ->
     assert invoke("validate", copy, code=1).stderr.strip().startswith("invalid:")
 
 
-def test_log(chain: Path, reader: ldformat.ShardedReader) -> None:
-    records = read_commits(reader.store, str(chain))
-    lines = invoke("log", chain).stdout.splitlines()
+def test_log(fsdp_chain: Path, reader: ldformat.ShardedReader) -> None:
+    records = read_commits(reader.store, str(fsdp_chain))
+    lines = invoke("log", fsdp_chain).stdout.splitlines()
     assert lines[0].split() == ["SEQ", "TIME", "STEP", "WRITER"]
     assert [line.split()[:3] for line in lines[1:]] == [[str(c.seq), c.time, str(c.step)] for c in records]
-    rows = json.loads(invoke("log", chain, "--json").stdout)
+    rows = json.loads(invoke("log", fsdp_chain, "--json").stdout)
     assert rows == [{"seq": c.seq, "time": c.time, "step": c.step, "writer": c.writer} for c in records]
     assert rows[-1]["step"] == STEPS
     # --rank R: that rank's own chain, as `ldtools log PATH/ranks/R` shows it.
-    assert invoke("log", chain, "--rank", 1).stdout == invoke("log", chain / "ranks" / "00001").stdout
-    assert "ranks 0..1" in error_line(invoke("log", chain, "--rank", WORLD, code=2))
-    assert "applies to a sharded chain" in error_line(invoke("log", chain / "ranks" / "00000", "--rank", 0, code=2))
+    assert invoke("log", fsdp_chain, "--rank", 1).stdout == invoke("log", fsdp_chain / "ranks" / "00001").stdout
+    assert "ranks 0..1" in error_line(invoke("log", fsdp_chain, "--rank", WORLD, code=2))
+    rank0 = fsdp_chain / "ranks" / "00000"
+    assert "applies to a sharded chain" in error_line(invoke("log", rank0, "--rank", 0, code=2))
 
 
-def test_validate(chain: Path, reader: ldformat.ShardedReader) -> None:
-    out = invoke("validate", chain).stdout
+def test_validate(fsdp_chain: Path, reader: ldformat.ShardedReader) -> None:
+    out = invoke("validate", fsdp_chain).stdout
     assert out.strip() == (f"ok: sharded chain of {WORLD} ranks, {STEPS + 1} committed steps, "
                            f"{len(reader.anchors)} anchors, the ranks' copies agree at {len(reader.anchors)} anchors")
-    deep = invoke("validate", chain, "--deep").stdout
+    deep = invoke("validate", fsdp_chain, "--deep").stdout
     assert f"the ranks' copies agree at {STEPS + 1} committed steps, replay bit-exact at " in deep
-    report = json.loads(invoke("validate", chain, "--json").stdout)
+    report = json.loads(invoke("validate", fsdp_chain, "--json").stdout)
     assert report["ok"] and report["steps"] == STEPS + 1
 
 
 # -- materialize -----------------------------------------------------------------------------------
-def test_materialize_pt_every_step(chain: Path, reader: ldformat.ShardedReader, tmp_path: Path) -> None:
+def test_materialize_pt_every_step(fsdp_chain: Path, reader: ldformat.ShardedReader, tmp_path: Path) -> None:
     for step in reader.steps:
         out = tmp_path / f"s{step}.pt"
-        assert f"wrote step {step} to {out}" in invoke("materialize", chain, "--step", step, "-o", out).stdout
+        assert f"wrote step {step} to {out}" in invoke("materialize", fsdp_chain, "--step", step, "-o", out).stdout
         got = torch.load(out, weights_only=True)
         want = reader.materialize(step)
         assert set(got) == {"model", "optimizer", "step", "extra", "rank_extra"}
         assert_same(got, want, f"step {step}")
         assert len(got["rank_extra"]) == WORLD
     latest = tmp_path / "latest.bin"  # no --step: the latest; --format pt whatever the suffix
-    invoke("materialize", chain, "--format", "pt", "-o", latest)
+    invoke("materialize", fsdp_chain, "--format", "pt", "-o", latest)
     assert_same(torch.load(latest, weights_only=True), reader.materialize(STEPS))
 
 
-def test_materialize_safetensors_every_step(chain: Path, reader: ldformat.ShardedReader, names: list[str],
+def test_materialize_safetensors_every_step(fsdp_chain: Path, reader: ldformat.ShardedReader, names: list[str],
                                              tmp_path: Path) -> None:
     from safetensors import safe_open
 
     for step in reader.steps:
         want = reader.materialize(step)
         plain = tmp_path / f"s{step}.safetensors"
-        invoke("materialize", chain, "--step", step, "-o", plain)
+        invoke("materialize", fsdp_chain, "--step", step, "-o", plain)
         with safe_open(str(plain), "pt") as f:
             assert_same({k: f.get_tensor(k) for k in f.keys()}, want["model"], f"step {step}")  # noqa: SIM118
             assert f.metadata() == {"ldformat.step": str(step)}
         full = tmp_path / f"o{step}.safetensors"
-        invoke("materialize", chain, "--step", step, "--with-optimizer", "-o", full)
+        invoke("materialize", fsdp_chain, "--step", step, "--with-optimizer", "-o", full)
         with safe_open(str(full), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
             metadata = f.metadata()
@@ -238,25 +195,26 @@ def test_materialize_safetensors_every_step(chain: Path, reader: ldformat.Sharde
         assert_same(tensors, expected, f"step {step} with optimizer")
         assert decode(json.loads(metadata["optimizer.param_groups"])) == want["optimizer"]["param_groups"]
     assert "--with-optimizer applies to .safetensors" in error_line(
-        invoke("materialize", chain, "--with-optimizer", "-o", tmp_path / "x.pt", code=2))
+        invoke("materialize", fsdp_chain, "--with-optimizer", "-o", tmp_path / "x.pt", code=2))
 
 
-def test_materialize_errors_name_the_step(chain: Path, tmp_path: Path) -> None:
-    line = error_line(invoke("materialize", chain, "--step", STEPS + 5, "-o", tmp_path / "x.pt", code=1))
+def test_materialize_errors_name_the_step(fsdp_chain: Path, tmp_path: Path) -> None:
+    line = error_line(invoke("materialize", fsdp_chain, "--step", STEPS + 5, "-o", tmp_path / "x.pt", code=1))
     assert f"step {STEPS + 5} is not a committed step of the sharded chain" in line
-    line = error_line(invoke("materialize", chain, "--step", STEPS + 5, "--format", "dcp", "-o", tmp_path / "d",
+    line = error_line(invoke("materialize", fsdp_chain, "--step", STEPS + 5, "--format", "dcp", "-o", tmp_path / "d",
                              code=1))
     assert f"step {STEPS + 5}" in line and not (tmp_path / "d").exists()
     assert not (tmp_path / "x.pt").exists() and not list(tmp_path.iterdir())
 
 
-def test_materialize_a_rank_chain_says_it_holds_one_rank(chain: Path, tmp_path: Path) -> None:
-    result = invoke("materialize", chain / "ranks" / "00001", "--step", 2, "-o", tmp_path / "r1.pt")
+def test_materialize_a_rank_chain_says_it_holds_one_rank(fsdp_chain: Path, tmp_path: Path) -> None:
+    result = invoke("materialize", fsdp_chain / "ranks" / "00001", "--step", 2, "-o", tmp_path / "r1.pt")
     assert "rank 1's chain of the sharded chain" in result.stderr and "local shards only" in result.stderr
 
 
 # -- DCP -------------------------------------------------------------------------------------------
-def test_dcp_export_loads_on_other_meshes(chain: Path, reader: ldformat.ShardedReader, names: list[str],
+@pytest.mark.procs
+def test_dcp_export_loads_on_other_meshes(fsdp_chain: Path, reader: ldformat.ShardedReader, names: list[str],
                                           tmp_path: Path) -> None:
     """The DCP directory holds the materialized state, every hyperparameter included, and loads
     with DCP's own tools, bit for bit, into a plain model (no process group) and into FSDP2 at
@@ -268,7 +226,7 @@ def test_dcp_export_loads_on_other_meshes(chain: Path, reader: ldformat.ShardedR
     want = reader.materialize(step)
     out = tmp_path / "dcp"
     out.mkdir()  # an empty directory is fine
-    assert f"wrote step {step} to {out}/" in invoke("materialize", chain, "--step", step, "--format", "dcp",
+    assert f"wrote step {step} to {out}/" in invoke("materialize", fsdp_chain, "--step", step, "--format", "dcp",
                                                     "-o", out).stdout
     assert oct(out.stat().st_mode & 0o777) == oct(0o777 & ~_umask())
     # Everything in it: dcp_to_torch_save reads a checkpoint without a state dict to load into.
@@ -286,11 +244,11 @@ def test_dcp_export_loads_on_other_meshes(chain: Path, reader: ldformat.ShardedR
     assert_same(loaded["fsdp"], expected, "FSDP2 at world 1")
     assert_same(loaded["plain_torch"], want["optimizer"], "optimizer.state_dict() of the plain model")
 
-    again = invoke("materialize", chain, "--step", step, "--format", "dcp", "-o", out, code=2)
+    again = invoke("materialize", fsdp_chain, "--step", step, "--format", "dcp", "-o", out, code=2)
     assert "exists and is not an empty directory" in error_line(again)
     file_out = tmp_path / "file"
     file_out.write_text("keep")
-    invoke("materialize", chain, "--format", "dcp", "-o", file_out, code=2)
+    invoke("materialize", fsdp_chain, "--format", "dcp", "-o", file_out, code=2)
     assert file_out.read_text() == "keep"
 
 
@@ -300,7 +258,8 @@ def _umask() -> int:
     return umask
 
 
-def test_dcp_write_failure_is_an_output_error(chain: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dcp_write_failure_is_an_output_error(fsdp_chain: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """An OS error while DCP writes (here: its data file's name is taken by a directory) is exit 3,
     naming the output; nothing is left behind."""
     import tempfile
@@ -314,7 +273,7 @@ def test_dcp_write_failure_is_an_output_error(chain: Path, tmp_path: Path, monke
 
     monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
     out = tmp_path / "sub" / "dcp"
-    line = error_line(invoke("materialize", chain, "--format", "dcp", "-o", out, code=3))
+    line = error_line(invoke("materialize", fsdp_chain, "--format", "dcp", "-o", out, code=3))
     assert str(out) in line and "cannot write the DCP checkpoint" in line and "EISDIR" in line
     assert list((tmp_path / "sub").iterdir()) == []
 
@@ -395,10 +354,10 @@ def _groups(state: dict[str, Any], before: dict[str, Any] | None, names: list[st
     return out
 
 
-def test_stats_measures_the_full_tensors(chain: Path, reader: ldformat.ShardedReader, names: list[str]) -> None:
+def test_stats_measures_the_full_tensors(fsdp_chain: Path, reader: ldformat.ShardedReader, names: list[str]) -> None:
     """``ldtools stats`` on the sharded chain: the rank chains replay side by side and every step's
     numbers are those of the full state materialize gives (groups by FQN, full sizes)."""
-    data = json.loads(invoke("stats", chain, "--json").stdout)
+    data = json.loads(invoke("stats", fsdp_chain, "--json").stdout)
     assert [s["step"] for s in data["steps"]] == reader.steps
     before = None
     for s in data["steps"]:
@@ -415,15 +374,15 @@ def test_stats_measures_the_full_tensors(chain: Path, reader: ldformat.ShardedRe
         assert s["anchor"] == (s["step"] % 3 == 0) and s["bytes"] > 0
         before = state
     assert want["a"][0] == 97 * 16 + 97  # the full a.weight and a.bias, not one rank's rows
-    text = invoke("stats", chain, "--from", 4, "--groups").stdout
+    text = invoke("stats", fsdp_chain, "--from", 4, "--groups").stdout
     assert text.splitlines()[1].startswith("4 ") and "  norm " in text and "no step flagged" in text
-    out = chain.parent / "history.html"
-    assert "8 steps" in invoke("plot", chain, "-o", out, "--force").stdout
+    out = fsdp_chain.parent / "history.html"
+    assert "8 steps" in invoke("plot", fsdp_chain, "-o", out, "--force").stdout
     assert out.read_text().count('class="cell"') == 3 * STEPS  # steps x modules; step 0 has no update
 
 
-def test_diff_compares_the_full_tensors(chain: Path, reader: ldformat.ShardedReader) -> None:
-    data = json.loads(invoke("diff", chain, 3, 4, "--json").stdout)
+def test_diff_compares_the_full_tensors(fsdp_chain: Path, reader: ldformat.ShardedReader) -> None:
+    data = json.loads(invoke("diff", fsdp_chain, 3, 4, "--json").stdout)
     got = {t["name"]: t for t in data["tensors"]}
     a, b = reader.materialize(3), reader.materialize(4)
     assert {n for n in got if n.startswith("model/")} == {f"model/{n}" for n in a["model"]}
@@ -438,7 +397,7 @@ def test_diff_compares_the_full_tensors(chain: Path, reader: ldformat.ShardedRea
             assert t["status"] == "same" and torch.equal(want_a, want_b), n
     assert got["model/a.weight"]["shape"] == [97, 16] and got["model/a.weight"]["status"] == "changed"
     assert got["optimizer/0/exp_avg_sq"]["status"] == "changed"
-    same = json.loads(invoke("diff", chain, 5, 5, "--other", chain, "--json").stdout)
+    same = json.loads(invoke("diff", fsdp_chain, 5, 5, "--other", fsdp_chain, "--json").stdout)
     assert {t["status"] for t in same["tensors"]} == {"same"}
 
 
@@ -452,9 +411,9 @@ def rank_steps(chain: Path) -> list[list[int]]:
 
 
 @pytest.fixture
-def chain_copy(chain: Path, tmp_path: Path) -> Path:
+def chain_copy(fsdp_chain: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "chain"
-    shutil.copytree(chain, copy)
+    shutil.copytree(fsdp_chain, copy)
     return copy
 
 
@@ -540,7 +499,7 @@ def test_truncate_interrupted_after_the_record(chain_copy: Path, monkeypatch: py
     """A crash after the commit record and one rank chain's truncation leaves the other rank
     chain's later steps pending: the chain is valid at the truncated step, and the next
     truncation finishes the work."""
-    from ldformat import sharded_maintenance
+    from ldformat.sharded import maintenance as sharded_maintenance
 
     before = every_state(ldformat.ShardedReader(chain_copy))
     real = sharded_maintenance.truncate_locked
@@ -565,10 +524,11 @@ def test_truncate_interrupted_after_the_record(chain_copy: Path, monkeypatch: py
     assert rank_steps(chain_copy) == [[0, 1, 2, 3]] * WORLD
 
 
+@pytest.mark.procs
 def test_a_live_writer_on_one_rank_refuses_maintenance(chain_copy: Path) -> None:
     """A live holder of one rank chain's lock (this process): compact and truncate exit 4 with one
     line naming that rank chain, change nothing, and leave no lock of theirs behind."""
-    from ldformat.log import WriterLock
+    from ldformat.chain.lock import WriterLock
 
     files = digest(chain_copy)
     rank1 = ldformat.ChainReader(chain_copy / "ranks" / "00001")
@@ -586,18 +546,19 @@ def test_a_live_writer_on_one_rank_refuses_maintenance(chain_copy: Path) -> None
     assert ldformat.truncate(chain_copy, STEPS - 1) == [STEPS]  # rank 0's lock was released
 
 
+@pytest.mark.procs
 def test_a_job_opens_the_chain_only_holding_every_rank_lock(chain_copy: Path) -> None:
     """Opening a sharded chain to append (spec §20.3.3): every rank takes its rank chain's lock
     before rank 0 fences the commit records. With rank 1's lock held by a live writer (this
     process), the job fails on every rank, creates no commit record, and rank 0's lock,
     taken meanwhile, is released again."""
-    from ldformat.log import WriterLock, current_lock
+    from ldformat.chain.lock import WriterLock, current_lock
 
     files = digest(chain_copy)
     rank1 = ldformat.ChainReader(chain_copy / "ranks" / "00001")
     held = WriterLock.acquire(rank1.store, rank1.path)
     try:
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+        env = gloo_env()
         procs = [run_maker(["make", str(r), str(WORLD), str(chain_copy.parent), "2"], env) for r in range(WORLD)]
         try:
             outputs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
@@ -615,10 +576,11 @@ def test_a_job_opens_the_chain_only_holding_every_rank_lock(chain_copy: Path) ->
     assert current_lock(rank0.store, rank0.path) is None
 
 
+@pytest.mark.procs
 def test_a_job_mirrors_the_sharded_chain(tmp_path: Path) -> None:
     """``Checkpointer(..., mirror=)`` with a sharded model: rank 0 replicates the whole sharded
     chain after its commits; at close the mirror holds every committed step, bit for bit."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    env = gloo_env()
     mirror = tmp_path / "mirror"
     finish([run_maker(["make", str(r), str(WORLD), str(tmp_path), "5", str(mirror)], env) for r in range(WORLD)])
     src = ldformat.ShardedReader(tmp_path / "chain")
@@ -634,9 +596,9 @@ def test_a_job_mirrors_the_sharded_chain(tmp_path: Path) -> None:
     assert lag["lag_steps"] == 0 and lag["lag_records"] == 0
 
 
-def test_one_rank_chain_on_its_own_is_refused(chain: Path, tmp_path: Path) -> None:
-    before = digest(chain)
-    rank0 = chain / "ranks" / "00000"
+def test_one_rank_chain_on_its_own_is_refused(fsdp_chain: Path, tmp_path: Path) -> None:
+    before = digest(fsdp_chain)
+    rank0 = fsdp_chain / "ranks" / "00000"
     for args in (("compact", rank0, "--keep-last", 2), ("compact", rank0, "--max-replay", 1, "--dry-run"),
                  ("truncate", rank0, "--after", 2, "--yes")):
         line = error_line(invoke(*args, code=2))
@@ -645,9 +607,9 @@ def test_one_rank_chain_on_its_own_is_refused(chain: Path, tmp_path: Path) -> No
         ldformat.compact(rank0, keep_last=2)
     with pytest.raises(ldformat.UsageError):
         ldformat.truncate(rank0, 2)
-    invoke("sync", chain, tmp_path / "copy")  # the whole sharded chain is replicated (tests/test_sync_sharded.py)
-    assert digest(tmp_path / "copy") == digest(chain)
-    line = error_line(invoke("sync", chain / "ranks" / "00001", rank0, code=2))
+    invoke("sync", fsdp_chain, tmp_path / "copy")  # the whole sharded chain is replicated (tests/test_sync_sharded.py)
+    assert digest(tmp_path / "copy") == digest(fsdp_chain)
+    line = error_line(invoke("sync", fsdp_chain / "ranks" / "00001", rank0, code=2))
     assert "one rank's chain of a sharded chain" in line
     invoke("sync", rank0, tmp_path / "rank0-copy")  # copying one rank's chain out only reads it
-    assert digest(chain) == before
+    assert digest(fsdp_chain) == before

@@ -116,8 +116,8 @@ def test_compact_refuses_while_a_writer_is_live(tmp_path: Path) -> None:
 def test_live_retention_never_passes_its_bound(tmp_path: Path) -> None:
     """The retention of ``max_bytes`` keeps every step from the newest anchor at or below its
     bound (a rank chain's: the sharded chain's newest committed step, spec §20.8)."""
-    from ldformat.compact import retain_from_newest_anchor
-    from ldformat.log import WriterLock
+    from ldformat.chain.lock import WriterLock
+    from ldformat.chain.maintenance import retain_from_newest_anchor
     from ldformat.stores import open_store
 
     torch.manual_seed(0)

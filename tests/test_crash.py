@@ -31,15 +31,18 @@ from typing import Any
 import crash_writer as cw
 import pytest
 from models import assert_state_bits_equal, snapshot
+from paths import SUPPORT
 
 import ldformat
 from ldformat import ChainLockedError, ChainReader, ChainWriter
-from ldformat.log import current_lock
+from ldformat.chain.lock import current_lock
 from ldformat.stores import LocalStore
 
-HERE = Path(__file__).resolve().parent
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"),
-                                reason="the fork server and the lock's liveness check need Linux")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "fork") or not os.path.isdir("/proc"),
+                       reason="the fork server and the lock's liveness check need Linux"),
+    pytest.mark.procs,
+]
 
 TRIAL_TIMEOUT_S = 60.0
 EXTRA_STEPS = 4  # steps appended by the writer that takes over
@@ -53,9 +56,9 @@ class ForkServer:
         self.stderr_path = stderr_path
         self._stderr = open(stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "crash_writer.py"), "serve"],
+            [sys.executable, str(SUPPORT / "crash_writer.py"), "serve"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, bufsize=0,
-            cwd=str(HERE), env=cw.child_env(),
+            cwd=str(SUPPORT), env=cw.child_env(),
         )
         self._buf = b""
         line = self._readline(120.0)

@@ -31,7 +31,7 @@ from torch import nn
 import ldformat
 from ldformat import ChainReader, ReplayEnvironmentWarning
 from ldformat.capture.staging import Stager
-from ldformat.environment import differences
+from ldformat.format.environment import differences
 from ldtools.cli import cli
 
 CUDA = torch.cuda.is_available()
@@ -243,7 +243,8 @@ def test_ldtools_materialize_replays_on_the_gpu(tmp_path: Path) -> None:
 def small_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str) -> Path:
     """A gradient chain whose root says it was recorded on ``device`` (trained on the CPU)."""
     import ldformat.writer as writer_module
-    from ldformat.environment import current_environment
+
+    from ldformat.format.environment import current_environment
 
     monkeypatch.setattr(writer_module, "current_environment", lambda _device="cpu": current_environment(device))
     torch.manual_seed(0)

@@ -34,13 +34,13 @@ from typing import Any
 import pytest
 import torch
 from models import bits
+from paths import REPO, SUPPORT
 from torch.utils.data import DataLoader
 
 import ldformat
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-SCRIPT = HERE / "data_resume_train.py"
+ROOT = REPO
+SCRIPT = SUPPORT / "data_resume_train.py"
 RUN_TIMEOUT_S = 120.0
 README_SECTION = "## Checkpoint from a training loop"
 
@@ -67,7 +67,7 @@ class Run:
         with open(self.out, "wb") as f:
             self.proc = subprocess.Popen(
                 [sys.executable, str(SCRIPT), config, str(workdir), "--log", log, *args],
-                stdout=f, stderr=subprocess.STDOUT, env=child_env(), cwd=str(HERE), start_new_session=True)
+                stdout=f, stderr=subprocess.STDOUT, env=child_env(), cwd=str(SUPPORT), start_new_session=True)
 
     def stop(self) -> None:
         """Kill it and what it forked (its own session, started here), unless already done."""
@@ -175,12 +175,14 @@ def crash_and_resume(config: str, tmp_path: Path, flush_at: int, kill_at: int, *
 
 # -- 1. any state_dict-able data= object: torchdata's StatefulDataLoader with workers --------------
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("flush_at", "kill_at"), [(16, 19), (12, 12)], ids=["mid-epoch", "epoch-end"])
 def test_stateful_dataloader_with_workers_resumes_exactly(tmp_path: Path, flush_at: int, kill_at: int) -> None:
     pytest.importorskip("torchdata.stateful_dataloader")
     crash_and_resume("stateful", tmp_path, flush_at, kill_at)
 
 
+@pytest.mark.procs
 def test_forked_child_leaves_the_checkpointer_alone(tmp_path: Path) -> None:
     """A forked process that exits (a DataLoader worker at the end of an epoch) must not close,
     commit to or unlock its parent's Checkpointer: that is the parent's chain."""
@@ -212,6 +214,7 @@ def test_forked_child_leaves_the_checkpointer_alone(tmp_path: Path) -> None:
 
 # -- 2. ResumableSampler -------------------------------------------------------------------------
 
+@pytest.mark.procs
 def test_resumable_sampler_resumes_exactly(tmp_path: Path) -> None:
     crash_and_resume("sampler", tmp_path, 10, 14)
 
@@ -247,6 +250,7 @@ def run_snippet_trial(snippet: str, tmp_path: Path, earliest: int | None = None)
     crash_and_resume("snippet", tmp_path, 6, 8, "--snippet", str(path), earliest=earliest)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("mode", [None, pytest.param("lowdiff+", marks=pytest.mark.slow)],
                          ids=["as-written", "lowdiff+"])
 def test_readme_loop_is_exact_with_dropout(tmp_path: Path, mode: str | None) -> None:
@@ -282,6 +286,7 @@ ck.close()                               # flushes and commits everything
 that make it so: the loader owns a generator, ``exact=True``, ``truncate=True``)."""
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("mode", [None, pytest.param("xor", marks=pytest.mark.slow)], ids=["lowdiff", "xor"])
 def test_proposed_readme_loop_is_exact_with_dropout(tmp_path: Path, mode: str | None) -> None:
     run_snippet_trial(with_mode(PROPOSED_README_LOOP, mode), tmp_path, earliest=0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from models import TinyNet, assert_state_bits_equal, batch, bits, snapshot
+from ports import gloo_env
 
 import ldformat
 
@@ -39,10 +39,11 @@ BATCH_STEPS = 2
 RATIO = 0.25
 TIMEOUT_S = 120  # whole run; gloo collectives time out well before
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.procs,
+]
 
 
 # -- worker ------------------------------------------------------------------------------------
@@ -86,15 +87,9 @@ def _worker(rank: int, world: int, outdir: Path, style: str) -> None:
 
 
 # -- launching -----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _launch(outdir: Path, style: str) -> tuple[list[int | None], list[str]]:
     """Run the workers; as soon as one fails (or the time is up) kill the others."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env = gloo_env()
     logs = [outdir / f"rank{rank}.log" for rank in range(WORLD)]
     procs = []
     try:

@@ -6,7 +6,6 @@ rank's RNG state and data position are recorded with each step (``extra.ranks``)
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,27 +13,24 @@ from pathlib import Path
 import pytest
 import torch
 from ddp_replicated_worker import Position
+from paths import SUPPORT
+from ports import gloo_env
 
 import ldformat
-from ldformat.state import bits_view
+from ldformat.format.state import bits_view
 
-WORKER = Path(__file__).parent / "ddp_replicated_worker.py"
+WORKER = SUPPORT / "ddp_replicated_worker.py"
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.procs,
+]
 
 
 @pytest.mark.parametrize("mode", ["xor", "lowdiff+", "xor/epoch"])
 def test_every_rank_constructs_and_rank_0_records_once(tmp_path: Path, mode: str) -> None:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    env = gloo_env()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(tmp_path), mode], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = []

@@ -19,11 +19,18 @@ from zarr.codecs import BloscCodec, Crc32cCodec
 from zarr.storage import MemoryStore
 
 import ldformat
-from ldformat import delta
-from ldformat.captured import CapturedStep, CapturedTensor
-from ldformat.delta import BatchEncoder, Segment, decode_batch, default_encode_threads, encode_batch, encode_pool
-from ldformat.jsonvalue import dtype_name
-from ldformat.manifest import SlotInfo
+from ldformat.chain.captured import CapturedStep, CapturedTensor
+from ldformat.format import delta
+from ldformat.format.delta import (
+    BatchEncoder,
+    Segment,
+    decode_batch,
+    default_encode_threads,
+    encode_batch,
+    encode_pool,
+)
+from ldformat.format.dtypes import dtype_name
+from ldformat.format.manifest import SlotInfo
 
 
 # -- reference: the encoder before streaming (zarr writes each whole concatenated array) --------

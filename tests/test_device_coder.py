@@ -15,21 +15,21 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from paths import REPO
 
 from ldformat.capture import device_coder as dc
-from ldformat.captured import CapturedTensor
-from ldformat.delta import WIDTH_DTYPES, difference_delta
-from ldformat.manifest import Encoding
-from ldformat.predict import adam_coefficients, predict_parameter, predict_second_moment
-from ldformat.state import encode_param_groups
-from ldformat.state_delta import row_values, wanted_encodings
+from ldformat.chain.captured import CapturedTensor
+from ldformat.format.delta import WIDTH_DTYPES, difference_delta
+from ldformat.format.manifest import Encoding
+from ldformat.format.predict import adam_coefficients, predict_parameter, predict_second_moment
+from ldformat.format.state import encode_param_groups
+from ldformat.format.state_delta import row_values, wanted_encodings
 
-SPEC = Path(__file__).parent.parent / "spec" / "ldformat.md"
+SPEC = REPO / "spec" / "ldformat.md"
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA device"))]
 WIDTH = {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "uint8": 1}

@@ -27,13 +27,13 @@ from typing import Any
 import crash_writer as cw
 import pytest
 from models import assert_state_bits_equal, snapshot
+from paths import SUPPORT
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, WriterIOError
-from ldformat.log import current_lock
+from ldformat.chain.lock import current_lock
 from ldformat.stores import WRITES, Fault, FaultyStore, LocalStore
 
-HERE = Path(__file__).resolve().parent
 BATCH_STEPS = 3
 ANCHOR_EVERY = 5
 MAX_STEPS = 30
@@ -357,10 +357,11 @@ def test_open_fails_on_the_lock(tmp_path: Path) -> None:
 
 
 # -- a real EFBIG ----------------------------------------------------------------------------
+@pytest.mark.procs
 def test_real_efbig_from_rlimit_fsize(tmp_path: Path) -> None:
     path = tmp_path / "chain"
-    proc = subprocess.run([sys.executable, str(HERE / "crash_writer.py"), "efbig", str(path), "1024"],
-                          capture_output=True, text=True, timeout=180, cwd=str(HERE), env=cw.child_env())
+    proc = subprocess.run([sys.executable, str(SUPPORT / "crash_writer.py"), "efbig", str(path), "1024"],
+                          capture_output=True, text=True, timeout=180, cwd=str(SUPPORT), env=cw.child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["durable_before"] == 9

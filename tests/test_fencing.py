@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from paths import SUPPORT
 from pausing import (
     JOIN_LIMIT_S,
     NAMED_POINTS,
@@ -69,7 +70,7 @@ if TYPE_CHECKING:  # s3server is loaded as a plugin (below), not imported before
 
 pytest_plugins = ["s3server"]  # the fixtures moto, s3_env, s3_url and fault_proxy
 
-PAUSING = Path(__file__).with_name("pausing.py")
+PAUSING = SUPPORT / "pausing.py"
 CHILD_LIMIT_S = 90.0  # no child process is waited for longer
 
 
@@ -330,6 +331,7 @@ def _namespaced_writer(path: Path, case: str) -> tuple[int, list[str]]:
     return want, [*unshare, "sh", "-c", script, "sh", *python]
 
 
+@pytest.mark.procs
 def test_a_live_writer_in_another_pid_namespace_keeps_its_lock(tmp_path: Path,
                                                                child_processes: list[Child]) -> None:
     """A writer in another PID namespace on the same host name (a container) records a pid that
@@ -393,6 +395,7 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_lock(tmp_path: Path,
 
 
 # -- leases ----------------------------------------------------------------------------------------
+@pytest.mark.procs
 def test_a_step_longer_than_the_lease_does_not_let_a_waiting_taker_in(tmp_path: Path,
                                                                       child_processes: list[Child]) -> None:
     """A writer with a 1 s lease trains one step of 3 s (no commit meanwhile) while a writer of

@@ -16,15 +16,15 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import ldformat.history
 import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 import ldformat
-import ldformat.history
 from ldformat.errors import UsageError
-from ldformat.history import SPIKE_THRESHOLD, SpikeDetector, diff_steps, group_of, rollback_step, step_history
+from ldformat.export.history import SPIKE_THRESHOLD, SpikeDetector, diff_steps, group_of, rollback_step, step_history
 from ldtools.cli import cli
 
 # The live-state formulas run on one thread, as ldformat.history measures (reductions are

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from paths import REPO
 
-HERE = Path(__file__).parent
-
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.procs,
+]
 
 
 def test_fsdp_example_resumes_at_another_world_size(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, str(HERE.parent / "examples" / "fsdp.py"), "--out", str(tmp_path),
+    run = subprocess.run([sys.executable, str(REPO / "examples" / "fsdp.py"), "--out", str(tmp_path),
                           "--steps", "8"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "restored state equals the chain's bit for bit: True" in run.stdout

@@ -17,12 +17,13 @@ from typing import Any
 import pytest
 import safetensors
 import torch
+from paths import REPO, TESTS
 
 import ldformat
 
-GOLDEN_ROOT = Path(__file__).parent / "golden"
+GOLDEN_ROOT = TESTS / "golden"
 VERSIONS = ("1.3", "1.4")
-SPEC_SCHEMAS = Path(__file__).parent.parent / "spec" / "schema"
+SPEC_SCHEMAS = REPO / "spec" / "schema"
 INDEXES = {v: json.loads((GOLDEN_ROOT / v / "sharded.json").read_text()) for v in VERSIONS}
 NAMES = [f"{v}/{name}" for v in VERSIONS for name in sorted(INDEXES[v]["chains"])]
 GOLDEN = GOLDEN_ROOT  # chains by "<version>/<name>"

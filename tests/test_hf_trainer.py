@@ -32,6 +32,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 from hf_train import SNIPPET  # noqa: E402
+from paths import REPO, SUPPORT
 from safetensors.torch import load_file  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
@@ -39,8 +40,7 @@ import ldformat  # noqa: E402
 from ldformat import ChainReader, UsageError  # noqa: E402
 from ldformat.integrations.transformers import LdformatCallback, write_trainer_checkpoint  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+ROOT = REPO
 RUN_TIMEOUT_S = 180
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
@@ -60,7 +60,7 @@ def assert_bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], wh
 def _run(workdir: Path, *options: str) -> subprocess.Popen[bytes]:
     log = open(workdir.with_suffix(".log"), "ab")  # noqa: SIM115 - closed with the process
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen([sys.executable, str(HERE / "hf_train.py"), str(workdir), *options],
+    return subprocess.Popen([sys.executable, str(SUPPORT / "hf_train.py"), str(workdir), *options],
                             stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -73,6 +73,7 @@ def _wait(proc: subprocess.Popen[bytes], workdir: Path) -> int:
 
 
 # -- 1. kill -9 and rerun ------------------------------------------------------------------------------
+@pytest.mark.procs
 @pytest.mark.parametrize("case", ["dropout0", "dropout0.1-eval"])
 def test_sigkill_and_rerun_is_bit_identical(tmp_path: Path, case: str) -> None:
     """``dropout0``: the README's snippet as it stands (the policy chooses the batch size).
@@ -220,6 +221,7 @@ def test_refuses_what_it_cannot_honour(tmp_path: Path) -> None:
 
 
 # -- 4. imports ----------------------------------------------------------------------------------------
+@pytest.mark.procs
 def test_import_is_lazy_and_names_the_extra() -> None:
     code = (
         "import sys, ldformat, ldformat.integrations\n"

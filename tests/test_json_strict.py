@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from paths import TESTS
 
 from ldformat import ChainReader, CorruptChainError
 from ldformat.errors import FormatError
-from ldformat.jsonvalue import (
+from ldformat.format.checksum import with_checksum
+from ldformat.format.jsonvalue import (
     MAX_INLINE_TENSOR_BYTES,
     MAX_JSON_DEPTH,
     MAX_LOCK_BYTES,
@@ -32,10 +34,9 @@ from ldformat.jsonvalue import (
     decode,
     encode,
     parse_json,
-    with_checksum,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 
 
 def golden_chain(kind: str) -> Path:

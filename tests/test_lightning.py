@@ -41,6 +41,7 @@ pytest.importorskip("torchdata")
 
 import lightning.pytorch as L  # noqa: E402
 from lightning_train import TinyModule, dataset  # noqa: E402
+from paths import REPO, SUPPORT
 from torch.utils.data import TensorDataset  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
@@ -48,7 +49,6 @@ import ldformat  # noqa: E402
 from ldformat.capture.unwrap import unwrap_optimizer  # noqa: E402
 from ldformat.integrations.lightning import LdformatCheckpoint  # noqa: E402
 
-HERE = Path(__file__).parent
 STEPS = 30  # 8 batches per epoch: the runs cross three epoch boundaries
 
 
@@ -109,13 +109,14 @@ def killed_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         runs[name] = {**rerun, "name": name, "out": str(work / f"{name}-killed.pt"), "kill_at": kills[name],
                       "wait": wait, "then": rerun}
     config = {"steps": STEPS, "runs": list(runs.values())}
-    proc = subprocess.run([sys.executable, str(HERE / "lightning_train.py"), json.dumps(config)],
+    proc = subprocess.run([sys.executable, str(SUPPORT / "lightning_train.py"), json.dumps(config)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     ended = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"work": work, "ended": ended, "kills": kills, "log": proc.stderr}
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_kill_and_rerun_is_bit_identical(killed_runs: dict[str, Any], name: str) -> None:
     options, _, wait = SCENARIOS[name]
@@ -201,7 +202,7 @@ def test_resume_checkpoint_is_none_on_a_fresh_path(tmp_path: Path) -> None:
 # -- 4. the README snippet ---------------------------------------------------------------------------
 def readme_snippet(section: str) -> str:
     """The Python block of a README section, as written."""
-    text = (Path(__file__).parent.parent / "README.md").read_text(encoding="utf-8")
+    text = (REPO / "README.md").read_text(encoding="utf-8")
     assert section in text, f"the README lost its section {section!r}"
     block = text[text.index(section):].split("```python\n", 1)[1].split("```", 1)[0]
     return block
@@ -272,6 +273,7 @@ def test_lost_local_chain_resumes_from_the_mirror(tmp_path: Path) -> None:
 
 
 # -- 7. imports -----------------------------------------------------------------------------------------
+@pytest.mark.procs
 def test_ldformat_does_not_import_lightning_and_says_how_to_install_it() -> None:
     code = textwrap.dedent("""\
         import sys
@@ -291,8 +293,9 @@ def test_ldformat_does_not_import_lightning_and_says_how_to_install_it() -> None
 
 
 # -- 8. the example ----------------------------------------------------------------------------------------
+@pytest.mark.procs
 def test_example_killed_and_rerun_is_bit_identical(tmp_path: Path) -> None:
-    example = [sys.executable, str(HERE.parent / "examples" / "lightning.py"), "--out", str(tmp_path), "--steps", "24"]
+    example = [sys.executable, str(REPO / "examples" / "lightning.py"), "--out", str(tmp_path), "--steps", "24"]
     killed = subprocess.run([*example, "--kill-at", "13"], capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stdout[-2000:] + killed.stderr[-2000:]
     rerun = subprocess.run([*example, "--verify"], capture_output=True, text=True, timeout=300)

@@ -32,10 +32,11 @@ from numcodecs import Blosc
 from test_json_strict import copy_chain, golden_chain, last_record, rewrite_log
 
 from ldformat import ChainReader, CorruptChainError
-from ldformat import delta as delta_module
-from ldformat.delta import MAX_COUNTS, check_slots, decode_batch, encode_batch
-from ldformat.jsonvalue import MAX_INLINE_TENSOR_BYTES, MAX_RECORD_BYTES, canonical, object_checksum, with_checksum
-from ldformat.manifest import SlotInfo
+from ldformat.format import delta as delta_module
+from ldformat.format.checksum import object_checksum, with_checksum
+from ldformat.format.delta import MAX_COUNTS, check_slots, decode_batch, encode_batch
+from ldformat.format.jsonvalue import MAX_INLINE_TENSOR_BYTES, MAX_RECORD_BYTES, canonical
+from ldformat.format.manifest import SlotInfo
 
 BUDGET = 1 << 30  # address space a child may add to what it maps after importing torch and ldformat
 TOPK_BATCH = "deltas/1-3-8f811365"  # rows 0-2 = steps 1-3 of the golden grad.topk chain (spec §22)
@@ -223,6 +224,7 @@ def run_limited(jobs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {(line := json.loads(text))["name"]: line for text in proc.stdout.splitlines()}
 
 
+@pytest.mark.procs
 def test_hostile_chains_fail_cleanly_under_a_memory_limit(tmp_path: Path) -> None:
     cases = hostile_chains(tmp_path)
     results = run_limited([{"name": name, "chain": str(chain), "ops": ops, "budget": BUDGET}

@@ -10,9 +10,11 @@ from test_lock import make_chain
 
 import ldformat
 from ldformat import ChainReader, CorruptChainError
+from ldformat.chain.commit import commit_record
+from ldformat.chain.records import log_path, read_log
 from ldformat.errors import FormatError
-from ldformat.jsonvalue import MAX_RECORD_BYTES, canonical, with_checksum
-from ldformat.log import commit_record, log_path, read_log
+from ldformat.format.checksum import with_checksum
+from ldformat.format.jsonvalue import MAX_RECORD_BYTES, canonical
 from ldformat.stores import LocalStore
 
 
@@ -85,7 +87,7 @@ def test_validate_checks_optimizer_state_shapes_in_anchors(tmp_path: Path) -> No
     from test_lock import make_training, train
 
     from ldformat import ChainWriter
-    from ldformat.jsonvalue import object_checksum
+    from ldformat.format.checksum import object_checksum
 
     path = tmp_path / "chain"
     model, optimizer = make_training()

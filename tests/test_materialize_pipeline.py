@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ldformat import delta
-from ldformat.delta import RowDecoder, Segment, decode_batch, encode_batch, xor_into
 from ldformat.errors import CorruptChainError
-from ldformat.manifest import SlotInfo
+from ldformat.format import delta
+from ldformat.format.delta import RowDecoder, Segment, decode_batch, encode_batch, xor_into
+from ldformat.format.manifest import SlotInfo
 
 
 def _batch(monkeypatch: pytest.MonkeyPatch, rows: int = 5) -> tuple[tuple[SlotInfo, ...], dict[str, bytes]]:

@@ -18,8 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner, Result
-from models import TinyNet, build_grad_chain, train_step
+from click.testing import CliRunner
+from clirun import invoke
+from models import GRAD_CHAIN_ANCHOR_EVERY, GRAD_CHAIN_STEPS, TinyNet, build_grad_chain, train_step
+from paths import REPO
 
 import ldformat
 import ldtools.consent
@@ -30,26 +32,14 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Converting a tensor with requires_grad=True to a scalar:UserWarning"
 )
 
-STEPS = 12
-ANCHOR_EVERY = 10
-REPO = Path(__file__).resolve().parent.parent
+STEPS = GRAD_CHAIN_STEPS
+ANCHOR_EVERY = GRAD_CHAIN_ANCHOR_EVERY
 GOLDEN_SHARDED = REPO / "tests" / "golden" / "1.3" / "sharded.state.xor" / "chain"
 
 
 # -- helpers ---------------------------------------------------------------------------------
 def build_chain(path: Path, steps: int = STEPS) -> Path:
     return Path(build_grad_chain(path, steps, ANCHOR_EVERY))
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_chain(tmp_path_factory.mktemp("chains") / "chain")
-
-
-@pytest.fixture
-def chain(pristine: Path, tmp_path: Path) -> Path:
-    """A private copy of a 12-step grad.dense chain (anchors at 0 and 10, batches of 4 steps)."""
-    return Path(shutil.copytree(pristine, tmp_path / "chain"))
 
 
 @pytest.fixture(autouse=True)
@@ -59,29 +49,18 @@ def _quiet_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def run(*args: Any, input: str | None = None, env: dict[str, str | None] | None = None) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args], input=input, env=env)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"ldtools {args} raised {result.exception!r}\n{result.output}") from result.exception
-    assert "Traceback" not in result.output, result.output
-    return result
-
-
 def flat(text: str) -> str:
     """``text`` with its line wrapping undone (help text wraps to the terminal's width)."""
     return " ".join(text.split())
 
 
 def ok(*args: Any, input: str | None = None) -> str:
-    result = run(*args, input=input)
-    assert result.exit_code == 0, f"ldtools {args}: exit {result.exit_code}\n{result.output}"
-    return result.stdout
+    return invoke(*args, input=input).stdout
 
 
 def fails(code: int, *args: Any, input: str | None = None, env: dict[str, str | None] | None = None) -> str:
     """``ldtools args`` exits ``code`` with exactly one line on stderr; returns that line."""
-    result = run(*args, input=input, env=env)
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}\n{result.output}"
+    result = invoke(*args, input=input, env=env, code=code)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("ldtools: error: "), lines[0]
@@ -111,7 +90,7 @@ def test_truncate_without_yes_and_without_a_terminal_refuses(chain: Path) -> Non
 
 def test_truncate_asks_on_a_terminal(chain: Path, terminal: None) -> None:
     before = listing(chain)
-    declined = run("truncate", chain, "--after", 11, input="n\n")
+    declined = invoke("truncate", chain, "--after", 11, input="n\n", code=None)
     assert declined.exit_code == 130 and "remove 1 step (12)?" in declined.stdout, declined.output
     assert listing(chain) == before
     out = ok("truncate", chain, "--after", 11, input="y\n")
@@ -142,7 +121,7 @@ def test_compact_that_removes_no_step_does_not_ask(chain: Path) -> None:
 
 def test_compact_asks_on_a_terminal_with_the_count(chain: Path, terminal: None) -> None:
     before = listing(chain)
-    declined = run("compact", chain, "--keep-last", 3, input="n\n")
+    declined = invoke("compact", chain, "--keep-last", 3, input="n\n", code=None)
     assert declined.exit_code == 130 and f"remove 10 steps (0..9) of {chain}?" in declined.stdout, declined.output
     assert listing(chain) == before
     ok("compact", chain, "--keep-last", 3, input="y\n")
@@ -160,7 +139,7 @@ def test_the_rule_is_in_the_help() -> None:
 # -- 2.3 an http:// endpoint without AWS_ALLOW_HTTP -------------------------------------------
 def test_plain_http_endpoint_without_allow_http_says_what_to_set() -> None:
     pytest.importorskip("obstore", reason="the s3 extra is not installed")
-    from s3server import free_port
+    from ports import free_port
 
     env: dict[str, str | None] = {
         "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ALLOW_HTTP": None, "AWS_ACCESS_KEY_ID": "k",
@@ -267,9 +246,9 @@ def held(chain: Path) -> Iterator[ChainWriter]:
         pass  # its lock was broken: it may no longer commit
 
 
-def test_lock_error_advises_break_lock(chain: Path, pristine: Path, held: ChainWriter) -> None:
+def test_lock_error_advises_break_lock(chain: Path, grad_chain_pristine: Path, held: ChainWriter) -> None:
     for args in (["compact", chain, "--max-replay", 2], ["truncate", chain, "--after", 5, "--yes"],
-                 ["sync", pristine, chain]):
+                 ["sync", grad_chain_pristine, chain]):
         line = fails(4, *args)
         assert "locked by a running writer" in line and "rerun with --break-lock" in line, line
         assert "lock_wait" not in line, line
@@ -289,7 +268,7 @@ def test_break_lock_needs_consent(chain: Path, held: ChainWriter) -> None:
 
 
 def test_break_lock_asks_on_a_terminal(chain: Path, held: ChainWriter, terminal: None) -> None:
-    declined = run("compact", chain, "--max-replay", 2, "--break-lock", input="n\n")
+    declined = invoke("compact", chain, "--max-replay", 2, "--break-lock", input="n\n", code=None)
     assert declined.exit_code == 130, declined.output
     assert "locked by a running writer" in declined.stdout and "Break the lock?" in declined.stdout
     ok("compact", chain, "--max-replay", 2, "--break-lock", input="y\n")
@@ -300,8 +279,8 @@ def test_chain_reader_on_a_sharded_chain_names_open_reader() -> None:
     with pytest.raises(ldformat.NotAChainError, match=r"sharded chain.*ldformat\.open_reader"):
         ChainReader(GOLDEN_SHARDED)
     assert isinstance(ldformat.open_reader(GOLDEN_SHARDED), ldformat.ShardedReader)
-    from ldformat.reader import SHARDED_ROOT_FILE
-    from ldformat.sharded import SHARDED_ROOT
+    from ldformat.chain.reader import SHARDED_ROOT_FILE
+    from ldformat.chain.sharded_probe import SHARDED_ROOT
 
     assert SHARDED_ROOT_FILE == SHARDED_ROOT
 

@@ -36,10 +36,12 @@ def modules_loaded_by(code: str) -> set[str]:
     return set(proc.stderr.strip().splitlines()[-1].split()) if proc.stderr.strip() else set()
 
 
+@pytest.mark.procs
 def test_import_ldformat_loads_no_torch() -> None:
     assert modules_loaded_by("import ldformat; ldformat.__version__; ldformat.UsageError") == set()
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("args", [["--help"], ["--version"], ["materialize", "--help"]])
 def test_ldtools_help_and_version_load_no_torch(args: list[str]) -> None:
     code = ("from ldtools.cli import cli\n"

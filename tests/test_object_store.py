@@ -41,8 +41,8 @@ from store_openers import object_store_opener
 
 import ldformat
 from ldformat import ChainExistsError, ChainLockedError, ChainReader, ChainWriter, TopK, WriterIOError
+from ldformat.chain.records import ROOT_FILE
 from ldformat.errors import NotAChainError, UsageError
-from ldformat.log import ROOT_FILE
 from ldformat.stores import (
     FaultyStore,
     LocalStore,
@@ -589,6 +589,7 @@ def _ldtools_in_process(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("kind", KINDS)
 def test_ldtools_on_an_s3_url(s3_env: MotoServer, tmp_path: Path, kind: str) -> None:
     """info, validate, materialize (every step, bit-exact), compact, log and truncate on an
@@ -630,6 +631,7 @@ def test_ldtools_on_an_s3_url(s3_env: MotoServer, tmp_path: Path, kind: str) -> 
     assert_state_bits_equal(ChainReader(url).materialize(7), chain.truth[7], "after truncation")
 
 
+@pytest.mark.procs
 def test_ldtools_on_a_locked_s3_chain_exits_with_the_locked_code(s3_url: str) -> None:
     """A writer holds the lock of an s3:// chain; ``ldtools compact`` (another process) and
     ``ldtools truncate`` exit 4 (locked) with one line naming the holder, and change nothing."""
@@ -657,6 +659,7 @@ def test_ldtools_on_a_locked_s3_chain_exits_with_the_locked_code(s3_url: str) ->
     assert ChainReader(s3_url).latest_step == 2
 
 
+@pytest.mark.procs
 def test_ldtools_reports_a_failing_store_in_one_line(built: dict[str, Built], fault_proxy: FaultProxy) -> None:
     url = built["grad.dense"].url
     fault_proxy.fail_first(10**9, "503")

@@ -37,20 +37,24 @@ import crash_writer as cw
 import pytest
 import s3_crash_writer as scw
 from models import assert_state_bits_equal, snapshot
+from paths import REPO, SUPPORT
 from test_lock import check_race_outcome, run_race_trial
 
 import ldformat
 from ldformat import ChainReader, ChainWriter
-from ldformat.log import current_lock, lock_path
+from ldformat.chain.lock import current_lock
+from ldformat.chain.records import lock_path
 
 if TYPE_CHECKING:
     from s3server import MotoServer
 
 pytest_plugins = ["s3server"]  # the fixtures moto, s3_env, s3_url
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="the lock's liveness check needs /proc")
+pytestmark = [
+    pytest.mark.skipif(not os.path.isdir("/proc"), reason="the lock's liveness check needs /proc"),
+    pytest.mark.procs,
+]
 
-HERE = Path(__file__).parent
 SMALL_TRIALS = 16  # alternately grad.dense and state.xor
 BIG_TRIALS = 4  # grad.dense with an 18 MiB parameter: killed around multipart uploads
 RACE_TRIALS = 20
@@ -96,7 +100,7 @@ class WarmPool:
             self.n += 1
             err = self.tmp / f"worker-{self.n}.err"
             with open(err, "wb") as f:
-                proc = subprocess.Popen([sys.executable, str(HERE / "s3_crash_writer.py"), "serve"],
+                proc = subprocess.Popen([sys.executable, str(SUPPORT / "s3_crash_writer.py"), "serve"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True,
                                         env=env)
             self.idle.append((proc, err))
@@ -461,7 +465,7 @@ def test_s3_checkpoint_example_runs_against_moto(s3_env: MotoServer) -> None:
     from s3server import BUCKET
 
     url = f"s3://{BUCKET}/example-{os.urandom(4).hex()}"
-    script = HERE.parent / "examples" / "s3_checkpoint.py"
+    script = REPO / "examples" / "s3_checkpoint.py"
     for run, steps in enumerate((12, 7)):  # the second run resumes and appends
         out = subprocess.run([sys.executable, str(script), url, "--steps", str(steps)], env=cw.child_env(),
                              capture_output=True, text=True, timeout=300)

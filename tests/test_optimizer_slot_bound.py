@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from optimizer_zoo import Entry, preconditioner_entries, train_step
 
 from ldformat import ChainReader, ChainWriter, CorruptChainError
-from ldformat.delta import check_slots, optimizer_slot_bound
-from ldformat.manifest import SlotInfo
+from ldformat.format.delta import check_slots, optimizer_slot_bound
+from ldformat.format.manifest import SlotInfo
 from ldformat.stores.memory import MemoryStore
 
 

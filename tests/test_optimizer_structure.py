@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ldformat
-from ldformat.state import bits_view
+from ldformat.format.state import bits_view
 
 
 class Quirky(torch.optim.Optimizer):
@@ -146,7 +146,7 @@ def test_empty_per_parameter_state_survives_gradient_replay(tmp_path: Path) -> N
 
 
 def test_a_dangling_reference_is_caught_by_validate(tmp_path: Path) -> None:
-    from ldformat.optstate import check_structure
+    from ldformat.format.optstate import check_structure
 
     with pytest.raises(ldformat.CorruptChainError, match="references"):
         check_structure({"state": {"$items": [[0, {"h": {"$ref": "optimizer/ref/state/0/h"}}]]}}, set(), 2, "x")
@@ -159,7 +159,7 @@ def test_a_dangling_reference_is_caught_by_validate(tmp_path: Path) -> None:
 def test_unstorable_state_is_refused_with_its_location(tmp_path: Path) -> None:
     from collections import deque
 
-    from ldformat.optstate import split_state
+    from ldformat.format.optstate import split_state
 
     with pytest.raises(ldformat.UnsupportedStateError, match="deque"):
         split_state({"state": {0: {"window": deque([1, 2])}}, "param_groups": []}, 1)

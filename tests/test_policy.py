@@ -448,7 +448,8 @@ def test_policy_choice_is_visible_in_ldtools_info(tmp_path: Path) -> None:
 def test_max_lost_s_bounds_the_automatic_batch(tmp_path: Path) -> None:
     """However long the MTBF and slow the commits, an automatic batch never holds more than
     ``max_lost_s`` seconds of measured steps, even after the stall tuner widens it."""
-    from ldformat.capture.tuning import CaptureStats, Tuning
+    from ldformat.capture.stats import CaptureStats
+    from ldformat.capture.tuning import Tuning
 
     class Writer:
         path = "chain"

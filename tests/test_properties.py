@@ -11,11 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ldformat import delta
-from ldformat.delta import decode_batch, encode_batch, segment_to_tensor, tensor_bits, xor_into
 from ldformat.errors import CorruptChainError
-from ldformat.jsonvalue import canonical, decode, encode, verify_checksum, with_checksum
-from ldformat.manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry
+from ldformat.format import delta
+from ldformat.format.checksum import verify_checksum, with_checksum
+from ldformat.format.delta import decode_batch, encode_batch, segment_to_tensor, tensor_bits, xor_into
+from ldformat.format.jsonvalue import canonical, decode, encode
+from ldformat.format.manifest import AnchorEntry, DeltaEntry, ObjectRef, Record, SlotInfo, StepEntry
 
 json_leaf = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**62), 2**62), st.floats(allow_nan=False), st.text(max_size=8),
@@ -79,7 +80,7 @@ def batches(draw: Any) -> tuple[list[SlotInfo], list[dict[int, Any]], list[dict[
         dtype = draw(st.sampled_from(DTYPES))
         shape = tuple(draw(st.lists(st.integers(1, 5), min_size=1, max_size=2)))
         encoding = draw(st.sampled_from(["sparse", "dense", "xor"]))
-        from ldformat.jsonvalue import dtype_name
+        from ldformat.format.dtypes import dtype_name
 
         slots.append(SlotInfo(name=f"s{j}", dtype=dtype_name(dtype), shape=shape, encoding=encoding))
         shapes.append((dtype, shape))
@@ -250,7 +251,7 @@ def test_other_zarr_codecs_decode_through_zarr() -> None:
     from zarr.codecs import Crc32cCodec, GzipCodec
     from zarr.storage import MemoryStore
 
-    from ldformat.jsonvalue import dtype_name
+    from ldformat.format.dtypes import dtype_name
 
     slots = (SlotInfo(name="s0", dtype=dtype_name(torch.float32), shape=(3,), encoding="dense"),)
     values = np.array([1.0, -2.5, 3.25], np.float32).view(np.uint32)

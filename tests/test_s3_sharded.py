@@ -13,9 +13,7 @@ skipped when moto, boto3 or obstore are missing.
 from __future__ import annotations
 
 import hashlib
-import os
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,18 +22,19 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import torch
 from bitwise import bits
-from click.testing import CliRunner
+from clirun import invoke
+from paths import SUPPORT, TESTS
+from ports import gloo_env
 
 import ldformat
-from ldtools.cli import cli
 
 if TYPE_CHECKING:  # s3server is loaded as a plugin (below), not imported before it
     from s3server import MotoServer
 
 pytest_plugins = ["s3server"]  # the fixtures moto, s3_env and s3_url
 
-JOB = Path(__file__).parent / "sharded_s3_job.py"
-GOLDEN = Path(__file__).parent / "golden" / "1.3"
+JOB = SUPPORT / "sharded_s3_job.py"
+GOLDEN = TESTS / "golden" / "1.3"
 WORLD = 2
 STEPS = 7
 TIMEOUT_S = 240
@@ -91,13 +90,6 @@ def sharded(location: str | Path) -> ldformat.ShardedReader:
     return reader
 
 
-def invoke(*args: Any, code: int = 0) -> Any:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert "Traceback" not in result.output, result.output
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}:\n{result.output}"
-    return result
-
-
 def fresh_url(tag: str) -> str:
     from s3server import BUCKET
 
@@ -110,10 +102,7 @@ def job(s3_env: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> tuple[s
     """The chain's URL, and the full state the job gathered before and after every step."""
     url = fresh_url("sharded-job")
     out = tmp_path_factory.mktemp("s3-sharded-job")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    env = gloo_env()
     procs = [subprocess.Popen([sys.executable, str(JOB), str(r), str(WORLD), url, str(out), str(STEPS)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
     outputs = []
@@ -130,6 +119,7 @@ def job(s3_env: MotoServer, tmp_path_factory: pytest.TempPathFactory) -> tuple[s
     return url, gathered
 
 
+@pytest.mark.procs
 def test_job_writes_the_chain_to_s3_and_it_reads_back_bit_exactly(job: tuple[str, list[dict[str, Any]]],
                                                                    s3_env: MotoServer) -> None:
     from s3server import BUCKET
@@ -148,6 +138,7 @@ def test_job_writes_the_chain_to_s3_and_it_reads_back_bit_exactly(job: tuple[str
     assert ldformat.validate(url).ok
 
 
+@pytest.mark.procs
 def test_ldtools_reads_the_chain_on_s3(job: tuple[str, list[dict[str, Any]]]) -> None:
     url, _ = job
     assert "ok: sharded chain of 2 ranks" in invoke("validate", url).stdout
@@ -157,6 +148,7 @@ def test_ldtools_reads_the_chain_on_s3(job: tuple[str, list[dict[str, Any]]]) ->
     invoke("log", url)
 
 
+@pytest.mark.procs
 def test_sync_the_chain_from_s3_to_a_directory(job: tuple[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     url, gathered = job
     report = ldformat.sync(url, tmp_path / "local")

@@ -39,6 +39,7 @@ def _open_uploads(client: Any, prefix: str) -> set[str]:
     return {u["Key"] for u in client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads", [])}
 
 
+@pytest.mark.server
 def test_compact_aborts_the_uploads_a_killed_writer_left(s3_env: MotoServer) -> None:
     name = f"uploads-{secrets.token_hex(4)}"
     url = f"s3://{BUCKET}/{name}"
@@ -81,6 +82,7 @@ def test_compact_aborts_the_uploads_a_killed_writer_left(s3_env: MotoServer) -> 
                                       "UploadId"])
 
 
+@pytest.mark.server
 def test_an_unlistable_bucket_is_a_warning_not_a_failed_compaction(s3_env: MotoServer,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     url = f"s3://{BUCKET}/uploads-{secrets.token_hex(4)}"

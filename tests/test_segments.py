@@ -22,14 +22,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import ldformat.snapshots
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from clirun import invoke
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
 import ldformat
-import ldformat.snapshots
 from ldformat import (
     ChainReader,
     ChainWriter,
@@ -38,16 +38,16 @@ from ldformat import (
     MissingObjectError,
     TopK,
     UnsupportedVersionError,
-    compact,
     sync,
     truncate,
-    validate,
 )
-from ldformat.jsonvalue import MAX_RECORD_BYTES, canonical, object_checksum, with_checksum
-from ldformat.manifest import MAX_LISTED_STEPS, SEGMENT_BYTES_PER_STEP, Segment, SegmentRef, expand, ranges_of
+from ldformat.chain import maintenance as compact
+from ldformat.chain import validate
+from ldformat.chain.writer import SnapshotPolicy
+from ldformat.format.checksum import object_checksum, with_checksum
+from ldformat.format.jsonvalue import MAX_RECORD_BYTES, canonical
+from ldformat.format.manifest import MAX_LISTED_STEPS, SEGMENT_BYTES_PER_STEP, Segment, SegmentRef, expand, ranges_of
 from ldformat.stores import FaultyStore, LocalStore, Store
-from ldformat.writer import SnapshotPolicy
-from ldtools.cli import cli
 
 # Small enough that every few commits make a (segmented) snapshot due.
 EAGER = SnapshotPolicy(ratio=0.5, min_bytes=0, min_records=3)
@@ -196,18 +196,10 @@ def segment_doc(chain: Path, index: int) -> dict[str, Any]:
 
 
 # -- the CLI ----------------------------------------------------------------------------------
-def cli_run(*args: Any) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), (
-        f"ldtools {' '.join(map(str, args))} raised {result.exception!r}\n{result.output}")
-    assert "Traceback" not in result.output, result.output
-    return result
-
-
 def assert_cli_validate_reports(chain: Path, name: str) -> None:
     """``ldtools validate`` exits 1, lists the problems (one naming ``name``) on stdout, one
     summary line on stderr, and no traceback."""
-    result = cli_run("validate", chain)
+    result = invoke("validate", chain, code=None)
     assert result.exit_code == 1, result.output
     assert len(result.stderr.strip().splitlines()) == 1 and "problem" in result.stderr, result.stderr
     assert name in result.stdout, (name, result.stdout)
@@ -215,7 +207,7 @@ def assert_cli_validate_reports(chain: Path, name: str) -> None:
 
 def assert_cli_materialize_fails(chain: Path, tmp_path: Path, step: int, name: str) -> None:
     out = tmp_path / "out" / "state.pt"
-    result = cli_run("materialize", chain, "--step", step, "-o", out)
+    result = invoke("materialize", chain, "--step", step, "-o", out, code=None)
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ldtools: error: "), result.stderr
@@ -441,7 +433,7 @@ def test_format_of_a_segmented_chain(tmp_path: Path) -> None:
         assert Segment.from_bytes(data, "seg").to_bytes() == data
     assert sum(int(g["path"][9:21]) == seq for g in doc["segments"]) >= 1, "the newest snapshot wrote a segment"
     for args in (["info", path], ["log", path], ["validate", path]):
-        assert cli_run(*args).exit_code == 0, args
+        assert invoke(*args, code=None).exit_code == 0, args
     assert_every_step_exact(path, t.states)
 
 
@@ -507,7 +499,7 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
 
 
 @pytest.fixture
-def chain(pristine: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> Path:
+def segmented_chain(pristine: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> Path:
     return Path(shutil.copytree(pristine[0], tmp_path / "chain"))
 
 
@@ -561,161 +553,165 @@ def assert_record_refused(chain: Path, seq: int, error: type[Exception], match: 
     assert_cli_validate_reports(chain, rel)
 
 
-def test_pristine_chain_is_valid(chain: Path, live: dict[int, dict[str, Any]]) -> None:
-    assert validate(chain, deep=True).ok
-    assert_every_step_exact(chain, live, steps=[0, 1, 13, 30, 31, STEPS])
+def test_pristine_chain_is_valid(segmented_chain: Path, live: dict[int, dict[str, Any]]) -> None:
+    assert validate(segmented_chain, deep=True).ok
+    assert_every_step_exact(segmented_chain, live, steps=[0, 1, 13, 30, 31, STEPS])
 
 
 # -- damaged segments ------------------------------------------------------------------------
-def test_segment_with_a_flipped_byte(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    unaffected = steps_avoiding(chain, 0)
+def test_segment_with_a_flipped_byte(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    unaffected = steps_avoiding(segmented_chain, 0)
     assert STEPS in unaffected and 30 in unaffected and 1 not in unaffected
-    ref = newest_snapshot(chain)[1]["segments"][0]
-    data = bytearray((chain / ref["path"]).read_bytes())
+    ref = newest_snapshot(segmented_chain)[1]["segments"][0]
+    data = bytearray((segmented_chain / ref["path"]).read_bytes())
     data[len(data) // 2] ^= 0x01
-    (chain / ref["path"]).write_bytes(bytes(data))
-    assert_segment_refused(chain, live, tmp_path, ref["path"], CorruptChainError, "crc32c",
+    (segmented_chain / ref["path"]).write_bytes(bytes(data))
+    assert_segment_refused(segmented_chain, live, tmp_path, ref["path"], CorruptChainError, "crc32c",
                            unaffected=[unaffected[0], 30, STEPS])
 
 
-def test_segment_deleted(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    unaffected = steps_avoiding(chain, 0)
-    rel = newest_snapshot(chain)[1]["segments"][0]["path"]
-    (chain / rel).unlink()
-    assert_segment_refused(chain, live, tmp_path, rel, MissingObjectError, "missing",
+def test_segment_deleted(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    unaffected = steps_avoiding(segmented_chain, 0)
+    rel = newest_snapshot(segmented_chain)[1]["segments"][0]["path"]
+    (segmented_chain / rel).unlink()
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, MissingObjectError, "missing",
                            unaffected=[unaffected[0], STEPS])
 
 
-def test_segment_truncated(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    unaffected = steps_avoiding(chain, 0)
-    rel = newest_snapshot(chain)[1]["segments"][0]["path"]
-    data = (chain / rel).read_bytes()
-    (chain / rel).write_bytes(data[: len(data) // 2])
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "differs from the committed",
+def test_segment_truncated(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    unaffected = steps_avoiding(segmented_chain, 0)
+    rel = newest_snapshot(segmented_chain)[1]["segments"][0]["path"]
+    data = (segmented_chain / rel).read_bytes()
+    (segmented_chain / rel).write_bytes(data[: len(data) // 2])
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "differs from the committed",
                            unaffected=[unaffected[0], STEPS])
 
 
-def test_segment_larger_than_its_reference(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = newest_snapshot(chain)[1]["segments"][0]["path"]
-    with (chain / rel).open("ab") as f:
+def test_segment_larger_than_its_reference(segmented_chain: Path, live: dict[int, dict[str, Any]],
+                                           tmp_path: Path) -> None:
+    rel = newest_snapshot(segmented_chain)[1]["segments"][0]["path"]
+    with (segmented_chain / rel).open("ab") as f:
         f.write(b" " * 100)
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "differs from the committed",
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "differs from the committed",
                            unaffected=[STEPS])
 
 
-def test_reference_lists_a_step_the_segment_lacks(chain: Path, live: dict[int, dict[str, Any]],
+def test_reference_lists_a_step_the_segment_lacks(segmented_chain: Path, live: dict[int, dict[str, Any]],
                                                   tmp_path: Path) -> None:
     """Segment 0 lists step 1 as an anchor, which it only holds as a delta."""
-    unaffected = steps_avoiding(chain, 0)
-    seq, doc = newest_snapshot(chain)
+    unaffected = steps_avoiding(segmented_chain, 0)
+    seq, doc = newest_snapshot(segmented_chain)
     ref = doc["segments"][0]
     assert 1 not in listed(ref, "anchor_steps") and 1 in listed(ref, "delta_steps")
     ref["anchor_steps"] = [list(r) for r in ranges_of(listed(ref, "anchor_steps") + [1])]
-    write_record(chain, seq, doc)
-    assert_segment_refused(chain, live, tmp_path, ref["path"], CorruptChainError, r"step 1\b.*holds no .*anchor entry",
+    write_record(segmented_chain, seq, doc)
+    assert_segment_refused(segmented_chain, live, tmp_path, ref["path"], CorruptChainError,
+                           r"step 1\b.*holds no .*anchor entry",
                            unaffected=[unaffected[0], STEPS])
 
 
-def test_segment_lacks_a_step_its_reference_lists(chain: Path, live: dict[int, dict[str, Any]],
+def test_segment_lacks_a_step_its_reference_lists(segmented_chain: Path, live: dict[int, dict[str, Any]],
                                                   tmp_path: Path) -> None:
     """The segment is rewritten without the step entry of step 1 (reference updated)."""
-    unaffected = steps_avoiding(chain, 0)
+    unaffected = steps_avoiding(segmented_chain, 0)
 
     def drop_step_1(doc: dict[str, Any]) -> None:
         for d in doc["deltas"]:
             d["steps"] = [s for s in d["steps"] if s["step"] != 1]
 
-    rel = rewrite_segment_doc(chain, 0, drop_step_1)
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, r"step 1\b.*holds no .*step entry",
+    rel = rewrite_segment_doc(segmented_chain, 0, drop_step_1)
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, r"step 1\b.*holds no .*step entry",
                            unaffected=[unaffected[0], STEPS])
 
 
 @pytest.mark.parametrize("damage", ["flip", "delete"])
-def test_segment_error_names_the_step(chain: Path, damage: str) -> None:
-    rel = newest_snapshot(chain)[1]["segments"][0]["path"]
+def test_segment_error_names_the_step(segmented_chain: Path, damage: str) -> None:
+    rel = newest_snapshot(segmented_chain)[1]["segments"][0]["path"]
     if damage == "delete":
-        (chain / rel).unlink()
+        (segmented_chain / rel).unlink()
     else:
-        data = bytearray((chain / rel).read_bytes())
+        data = bytearray((segmented_chain / rel).read_bytes())
         data[20] ^= 1
-        (chain / rel).write_bytes(bytes(data))
+        (segmented_chain / rel).write_bytes(bytes(data))
     with pytest.raises(CorruptChainError) as info:
-        ChainReader(chain).materialize(3)
+        ChainReader(segmented_chain).materialize(3)
     assert rel in str(info.value) and "step 3" in str(info.value), str(info.value)
 
 
-def test_validate_problems_after_a_missing_segment_name_files(chain: Path) -> None:
-    rel = newest_snapshot(chain)[1]["segments"][0]["path"]
-    (chain / rel).unlink()
-    report = validate(chain)
+def test_validate_problems_after_a_missing_segment_name_files(segmented_chain: Path) -> None:
+    rel = newest_snapshot(segmented_chain)[1]["segments"][0]["path"]
+    (segmented_chain / rel).unlink()
+    report = validate(segmented_chain)
     assert not report.ok
-    assert all(p.path.startswith(str(chain)) for p in report.problems), [p.to_dict() for p in report.problems]
+    assert all(p.path.startswith(str(segmented_chain)) for p in report.problems), [p.to_dict() for p in report.problems]
 
 
-def test_listed_step_missing_error_names_the_chain(chain: Path) -> None:
-    seq, doc = newest_snapshot(chain)
+def test_listed_step_missing_error_names_the_chain(segmented_chain: Path) -> None:
+    seq, doc = newest_snapshot(segmented_chain)
     ref = doc["segments"][0]
     ref["anchor_steps"] = [list(r) for r in ranges_of(listed(ref, "anchor_steps") + [1])]
-    write_record(chain, seq, doc)
+    write_record(segmented_chain, seq, doc)
     with pytest.raises(CorruptChainError) as info:
-        ChainReader(chain).materialize(1)
-    assert f"{chain}/{ref['path']}" in str(info.value), str(info.value)
+        ChainReader(segmented_chain).materialize(1)
+    assert f"{segmented_chain}/{ref['path']}" in str(info.value), str(info.value)
 
 
-def test_segment_not_canonical(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = rewrite_segment(chain, 0, lambda data: json.dumps(json.loads(data), indent=1).encode() + b"\n")
-    assert_segment_refused(chain, live, tmp_path, rel, FormatError, "canonical", unaffected=[STEPS])
+def test_segment_not_canonical(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    rel = rewrite_segment(segmented_chain, 0, lambda data: json.dumps(json.loads(data), indent=1).encode() + b"\n")
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, FormatError, "canonical", unaffected=[STEPS])
 
 
-def test_segment_without_its_final_newline(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = rewrite_segment(chain, 0, lambda data: data[:-1])
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "canonical", unaffected=[STEPS])
+def test_segment_without_its_final_newline(segmented_chain: Path, live: dict[int, dict[str, Any]],
+                                           tmp_path: Path) -> None:
+    rel = rewrite_segment(segmented_chain, 0, lambda data: data[:-1])
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "canonical", unaffected=[STEPS])
 
 
-def test_segment_with_an_unknown_member(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = rewrite_segment_doc(chain, 0, lambda doc: doc.update(comment=1))
-    assert_segment_refused(chain, live, tmp_path, rel, UnsupportedVersionError, "unknown field 'comment'",
+def test_segment_with_an_unknown_member(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    rel = rewrite_segment_doc(segmented_chain, 0, lambda doc: doc.update(comment=1))
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, UnsupportedVersionError, "unknown field 'comment'",
                            unaffected=[STEPS])
 
 
-def test_segment_with_an_ignorable_unknown_member(chain: Path, live: dict[int, dict[str, Any]]) -> None:
+def test_segment_with_an_ignorable_unknown_member(segmented_chain: Path, live: dict[int, dict[str, Any]]) -> None:
     """An unknown member that is an object with ``"must_understand": false`` is ignored (§3.3)."""
-    rewrite_segment_doc(chain, 0, lambda doc: doc.update(note={"must_understand": False, "x": 1}))
-    assert_every_step_exact(chain, live, steps=[0, 1, 2, STEPS])
-    assert validate(chain).ok
+    rewrite_segment_doc(segmented_chain, 0, lambda doc: doc.update(note={"must_understand": False, "x": 1}))
+    assert_every_step_exact(segmented_chain, live, steps=[0, 1, 2, STEPS])
+    assert validate(segmented_chain).ok
 
 
-def test_segment_with_two_anchor_entries_of_one_step(chain: Path, live: dict[int, dict[str, Any]],
+def test_segment_with_two_anchor_entries_of_one_step(segmented_chain: Path, live: dict[int, dict[str, Any]],
                                                      tmp_path: Path) -> None:
-    rel = rewrite_segment_doc(chain, 0, lambda doc: doc["anchors"].append(doc["anchors"][0]))
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "two anchor entries",
+    rel = rewrite_segment_doc(segmented_chain, 0, lambda doc: doc["anchors"].append(doc["anchors"][0]))
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "two anchor entries",
                            affected=0, unaffected=[STEPS])
 
 
-def test_segment_with_two_step_entries_of_one_step(chain: Path, live: dict[int, dict[str, Any]],
+def test_segment_with_two_step_entries_of_one_step(segmented_chain: Path, live: dict[int, dict[str, Any]],
                                                    tmp_path: Path) -> None:
-    rel = rewrite_segment_doc(chain, 0, lambda doc: doc["deltas"].append(doc["deltas"][0]))
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "two step entries",
+    rel = rewrite_segment_doc(segmented_chain, 0, lambda doc: doc["deltas"].append(doc["deltas"][0]))
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "two step entries",
                            unaffected=[STEPS])
 
 
-def test_segment_that_is_not_an_object(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = rewrite_segment(chain, 0, lambda data: b"[" + data[:-1] + b"]\n")  # canonical, as large
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "not a JSON object", unaffected=[STEPS])
+def test_segment_that_is_not_an_object(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    rel = rewrite_segment(segmented_chain, 0, lambda data: b"[" + data[:-1] + b"]\n")  # canonical, as large
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "not a JSON object",
+                           unaffected=[STEPS])
 
 
-def test_segment_that_is_not_json(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = rewrite_segment(chain, 0, lambda data: data[: len(data) // 2] + b"\n")
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "", unaffected=[STEPS])
+def test_segment_that_is_not_json(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    rel = rewrite_segment(segmented_chain, 0, lambda data: data[: len(data) // 2] + b"\n")
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "", unaffected=[STEPS])
 
 
-def test_segment_entry_naming_an_object_outside_its_folder(chain: Path, live: dict[int, dict[str, Any]],
+def test_segment_entry_naming_an_object_outside_its_folder(segmented_chain: Path, live: dict[int, dict[str, Any]],
                                                            tmp_path: Path) -> None:
     def move(doc: dict[str, Any]) -> None:
         doc["anchors"][0]["object"]["path"] = "deltas/0-0.safetensors"
 
-    rel = rewrite_segment_doc(chain, 0, move)
-    assert_segment_refused(chain, live, tmp_path, rel, CorruptChainError, "outside anchors/",
+    rel = rewrite_segment_doc(segmented_chain, 0, move)
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, CorruptChainError, "outside anchors/",
                            affected=0, unaffected=[STEPS])
 
 
@@ -727,50 +723,50 @@ def edit_snapshot(chain: Path, change: Callable[[dict[str, Any]], None]) -> int:
     return seq
 
 
-def test_two_references_list_one_delta_step(chain: Path) -> None:
+def test_two_references_list_one_delta_step(segmented_chain: Path) -> None:
     def overlap(doc: dict[str, Any]) -> None:
         a, b = doc["segments"][0], doc["segments"][1]
         b["delta_steps"] = [list(r) for r in ranges_of(listed(b, "delta_steps") + listed(a, "delta_steps")[-1:])]
 
-    seq = edit_snapshot(chain, overlap)
-    assert_record_refused(chain, seq, CorruptChainError, "listed twice")
+    seq = edit_snapshot(segmented_chain, overlap)
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "listed twice")
 
 
-def test_two_references_list_one_anchor_step(chain: Path) -> None:
+def test_two_references_list_one_anchor_step(segmented_chain: Path) -> None:
     def overlap(doc: dict[str, Any]) -> None:
         b = doc["segments"][1]
         b["anchor_steps"] = [list(r) for r in ranges_of(listed(b, "anchor_steps") + [0])]
 
-    seq = edit_snapshot(chain, overlap)
-    assert_record_refused(chain, seq, CorruptChainError, "step 0 is listed twice")
+    seq = edit_snapshot(segmented_chain, overlap)
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "step 0 is listed twice")
 
 
-def test_reference_overlaps_an_inline_anchor(chain: Path) -> None:
-    anchor0 = segment_doc(chain, 0)["anchors"][0]
+def test_reference_overlaps_an_inline_anchor(segmented_chain: Path) -> None:
+    anchor0 = segment_doc(segmented_chain, 0)["anchors"][0]
     assert anchor0["step"] == 0
-    seq = edit_snapshot(chain, lambda doc: doc.update(anchors=[anchor0]))
-    assert_record_refused(chain, seq, CorruptChainError, "step 0 is listed twice")
+    seq = edit_snapshot(segmented_chain, lambda doc: doc.update(anchors=[anchor0]))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "step 0 is listed twice")
 
 
-def test_reference_overlaps_an_inline_delta(chain: Path) -> None:
-    delta = segment_doc(chain, 0)["deltas"][0]
-    seq = edit_snapshot(chain, lambda doc: doc.update(deltas=[delta]))
-    assert_record_refused(chain, seq, CorruptChainError, "listed twice")
+def test_reference_overlaps_an_inline_delta(segmented_chain: Path) -> None:
+    delta = segment_doc(segmented_chain, 0)["deltas"][0]
+    seq = edit_snapshot(segmented_chain, lambda doc: doc.update(deltas=[delta]))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "listed twice")
 
 
-def test_inline_entries_beside_references_are_folded(chain: Path, live: dict[int, dict[str, Any]]) -> None:
+def test_inline_entries_beside_references_are_folded(segmented_chain: Path, live: dict[int, dict[str, Any]]) -> None:
     """The reverse of the overlap: an entry moved from a reference to the record itself is
     folded from the record (spec §7.9: references, then the record's own entries)."""
-    anchor0 = segment_doc(chain, 0)["anchors"][0]
+    anchor0 = segment_doc(segmented_chain, 0)["anchors"][0]
 
     def move(doc: dict[str, Any]) -> None:
         ref = doc["segments"][0]
         ref["anchor_steps"] = [list(r) for r in ranges_of(s for s in listed(ref, "anchor_steps") if s != 0)]
         doc["anchors"] = [anchor0]
 
-    edit_snapshot(chain, move)
-    assert_every_step_exact(chain, live, steps=[0, 1, 5, STEPS])
-    assert validate(chain).ok
+    edit_snapshot(segmented_chain, move)
+    assert_every_step_exact(segmented_chain, live, steps=[0, 1, 5, STEPS])
+    assert validate(segmented_chain).ok
 
 
 BAD_RANGES = {
@@ -796,13 +792,13 @@ BAD_RANGES = {
 
 @pytest.mark.parametrize("key", ["delta_steps", "anchor_steps"])
 @pytest.mark.parametrize("name", list(BAD_RANGES))
-def test_malformed_ranges(chain: Path, name: str, key: str) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].update({key: BAD_RANGES[name]}))
+def test_malformed_ranges(segmented_chain: Path, name: str, key: str) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update({key: BAD_RANGES[name]}))
     with pytest.raises(CorruptChainError) as info:
-        ChainReader(chain)
+        ChainReader(segmented_chain)
     assert f"log/{seq:012d}.json" in str(info.value) and key in str(info.value), str(info.value)
     if name in ("non-maximal", "descending", "boolean first"):  # the CLI and validate too, for a few
-        assert_record_refused(chain, seq, CorruptChainError, key)
+        assert_record_refused(segmented_chain, seq, CorruptChainError, key)
 
 
 @contextlib.contextmanager
@@ -822,24 +818,24 @@ def deadline(seconds: float) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("key", ["delta_steps", "anchor_steps"])
-def test_huge_range_is_refused_by_the_size_bound_without_expanding(chain: Path, key: str) -> None:
+def test_huge_range_is_refused_by_the_size_bound_without_expanding(segmented_chain: Path, key: str) -> None:
     def huge(doc: dict[str, Any]) -> None:
         ref = doc["segments"][0]
         ref[key] = [[0, 2**40]]
         ref["anchor_steps" if key == "delta_steps" else "delta_steps"] = []
 
-    seq = edit_snapshot(chain, huge)
+    seq = edit_snapshot(segmented_chain, huge)
     started = time.perf_counter()
     with deadline(5):
         with pytest.raises(CorruptChainError, match="cannot hold") as info:
-            ChainReader(chain)
+            ChainReader(segmented_chain)
         assert f"log/{seq:012d}.json" in str(info.value)
-        assert not validate(chain).ok
-        assert cli_run("validate", chain).exit_code == 1
+        assert not validate(segmented_chain).ok
+        assert invoke("validate", segmented_chain, code=None).exit_code == 1
     assert time.perf_counter() - started < 2
 
 
-def test_references_listing_more_than_the_record_limit(chain: Path) -> None:
+def test_references_listing_more_than_the_record_limit(segmented_chain: Path) -> None:
     """Each reference claims the largest size a segment may have, enough for its ranges; all
     together they list more than 2^24 steps, which is refused before anything is expanded
     (spec §21.4)."""
@@ -855,102 +851,102 @@ def test_references_listing_more_than_the_record_limit(chain: Path) -> None:
                          "anchor_steps": [], "delta_steps": [[first, first + per_ref - 1]]})
         doc["segments"] = refs
 
-    seq = edit_snapshot(chain, huge)
+    seq = edit_snapshot(segmented_chain, huge)
     started = time.perf_counter()
     with deadline(5):
         with pytest.raises(CorruptChainError, match=str(MAX_LISTED_STEPS)) as info:
-            ChainReader(chain)
+            ChainReader(segmented_chain)
         assert f"log/{seq:012d}.json" in str(info.value)
     assert time.perf_counter() - started < 2
 
 
-def test_reference_larger_than_a_segment_may_be(chain: Path) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].update(size=MAX_RECORD_BYTES + 1))
+def test_reference_larger_than_a_segment_may_be(segmented_chain: Path) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update(size=MAX_RECORD_BYTES + 1))
     started = time.perf_counter()
     with deadline(5):
-        assert_record_refused(chain, seq, CorruptChainError, str(MAX_RECORD_BYTES))
+        assert_record_refused(segmented_chain, seq, CorruptChainError, str(MAX_RECORD_BYTES))
     assert time.perf_counter() - started < 2
 
 
-def test_reference_listing_no_step(chain: Path) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].update(anchor_steps=[], delta_steps=[]))
-    assert_record_refused(chain, seq, CorruptChainError, "lists 0 steps")
+def test_reference_listing_no_step(segmented_chain: Path) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update(anchor_steps=[], delta_steps=[]))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "lists 0 steps")
 
 
-def test_segments_in_an_append_record(chain: Path) -> None:
-    refs = newest_snapshot(chain)[1]["segments"]
-    last = log_seqs(chain)[-1]
-    doc = read_record(chain, last)
+def test_segments_in_an_append_record(segmented_chain: Path) -> None:
+    refs = newest_snapshot(segmented_chain)[1]["segments"]
+    last = log_seqs(segmented_chain)[-1]
+    doc = read_record(segmented_chain, last)
     assert doc["type"] == "append"
     doc["segments"] = refs
-    write_record(chain, last, doc)
-    assert_record_refused(chain, last, CorruptChainError, "append record with segments")
+    write_record(segmented_chain, last, doc)
+    assert_record_refused(segmented_chain, last, CorruptChainError, "append record with segments")
 
 
-def test_empty_segments_list(chain: Path) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc.update(segments=[]))
-    assert_record_refused(chain, seq, CorruptChainError, "empty segments")
+def test_empty_segments_list(segmented_chain: Path) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc.update(segments=[]))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "empty segments")
 
 
 @pytest.mark.parametrize("value", [None, {}, "x", [], {"path": "segments/x.json"}])
-def test_segments_member_of_the_wrong_type(chain: Path, value: Any) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc.update(segments=value if value != [] else [[]]))
+def test_segments_member_of_the_wrong_type(segmented_chain: Path, value: Any) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc.update(segments=value if value != [] else [[]]))
     with pytest.raises(CorruptChainError) as info:
-        ChainReader(chain)
+        ChainReader(segmented_chain)
     assert f"log/{seq:012d}.json" in str(info.value), str(info.value)
 
 
-def test_unknown_member_in_a_reference(chain: Path) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].update(level=2))
-    assert_record_refused(chain, seq, UnsupportedVersionError, "unknown field 'level'")
+def test_unknown_member_in_a_reference(segmented_chain: Path) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update(level=2))
+    assert_record_refused(segmented_chain, seq, UnsupportedVersionError, "unknown field 'level'")
 
 
-def test_ignorable_unknown_member_in_a_reference(chain: Path, live: dict[int, dict[str, Any]]) -> None:
-    edit_snapshot(chain, lambda doc: doc["segments"][0].update(hint={"must_understand": False}))
-    assert_every_step_exact(chain, live, steps=[0, 1, STEPS])
-    assert validate(chain).ok
+def test_ignorable_unknown_member_in_a_reference(segmented_chain: Path, live: dict[int, dict[str, Any]]) -> None:
+    edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update(hint={"must_understand": False}))
+    assert_every_step_exact(segmented_chain, live, steps=[0, 1, STEPS])
+    assert validate(segmented_chain).ok
 
 
 @pytest.mark.parametrize("member", ["path", "size", "crc32c", "anchor_steps", "delta_steps"])
-def test_reference_without_a_member(chain: Path, member: str) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].pop(member))
-    assert_record_refused(chain, seq, CorruptChainError, "")
+def test_reference_without_a_member(segmented_chain: Path, member: str) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].pop(member))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "")
 
 
 @pytest.mark.parametrize("change", [{"size": -1}, {"size": "10"}, {"size": True}, {"crc32c": "ABCDEF01"},
                                     {"crc32c": "1234"}, {"crc32c": 1}],
                          ids=["negative size", "string size", "boolean size", "uppercase crc", "short crc", "int crc"])
-def test_reference_with_a_malformed_size_or_crc(chain: Path, change: dict[str, Any]) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].update(change))
-    assert_record_refused(chain, seq, CorruptChainError, "")
+def test_reference_with_a_malformed_size_or_crc(segmented_chain: Path, change: dict[str, Any]) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update(change))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "")
 
 
 @pytest.mark.parametrize("path", ["anchors/0-00000000.json", "segments/../ldformat.json", "/etc/passwd",
                                   "segments//x.json", "segments", "segmentsx/1.json", "log/000000000001.json"])
-def test_reference_path_outside_segments(chain: Path, path: str) -> None:
-    seq = edit_snapshot(chain, lambda doc: doc["segments"][0].update(path=path))
-    assert_record_refused(chain, seq, CorruptChainError, "outside segments/|unsafe object path")
+def test_reference_path_outside_segments(segmented_chain: Path, path: str) -> None:
+    seq = edit_snapshot(segmented_chain, lambda doc: doc["segments"][0].update(path=path))
+    assert_record_refused(segmented_chain, seq, CorruptChainError, "outside segments/|unsafe object path")
 
 
-def test_segment_path_is_a_directory(chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    rel = newest_snapshot(chain)[1]["segments"][0]["path"]
-    (chain / rel).unlink()
-    (chain / rel).mkdir()
+def test_segment_path_is_a_directory(segmented_chain: Path, live: dict[int, dict[str, Any]], tmp_path: Path) -> None:
+    rel = newest_snapshot(segmented_chain)[1]["segments"][0]["path"]
+    (segmented_chain / rel).unlink()
+    (segmented_chain / rel).mkdir()
     # A local store treats a directory where an object should be as no object.
-    assert_segment_refused(chain, live, tmp_path, rel, MissingObjectError, "missing", unaffected=[STEPS])
+    assert_segment_refused(segmented_chain, live, tmp_path, rel, MissingObjectError, "missing", unaffected=[STEPS])
 
 
-def test_segment_replaced_by_another_segments_bytes(chain: Path, live: dict[int, dict[str, Any]],
+def test_segment_replaced_by_another_segments_bytes(segmented_chain: Path, live: dict[int, dict[str, Any]],
                                                     tmp_path: Path) -> None:
     """Segment 0's file holds segment 1's bytes (its reference's size matching): the crc32c
     catches the swap."""
-    seq, doc = newest_snapshot(chain)
+    seq, doc = newest_snapshot(segmented_chain)
     a, b = doc["segments"][0], doc["segments"][1]
-    data = (chain / b["path"]).read_bytes()
-    (chain / a["path"]).write_bytes(data)  # same bytes under segment 0's name
+    data = (segmented_chain / b["path"]).read_bytes()
+    (segmented_chain / a["path"]).write_bytes(data)  # same bytes under segment 0's name
     a["size"] = len(data)
-    write_record(chain, seq, doc)
-    assert_segment_refused(chain, live, tmp_path, a["path"], CorruptChainError, "crc32c", unaffected=[STEPS])
+    write_record(segmented_chain, seq, doc)
+    assert_segment_refused(segmented_chain, live, tmp_path, a["path"], CorruptChainError, "crc32c", unaffected=[STEPS])
 
 
 # =============================================================================================

@@ -5,9 +5,7 @@ nothing the stored data does not back; ldtools exits with the problem code, no t
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,13 +16,15 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from paths import SUPPORT, TESTS
+from ports import gloo_env
 
 import ldformat
-from ldformat.jsonvalue import with_checksum
-from ldformat.sharded import create_commit, newest_commit
+from ldformat.format.checksum import with_checksum
+from ldformat.sharded.chain import create_commit, newest_commit
 from ldtools.cli import cli
 
-WORKER = Path(__file__).parent / "sharded_crash_worker.py"
+WORKER = SUPPORT / "sharded_crash_worker.py"
 STEPS = 4
 
 pytestmark = pytest.mark.skipif(
@@ -36,10 +36,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("sharded-bad")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    env = gloo_env()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(out), str(STEPS)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
     outputs = []
@@ -55,7 +52,7 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def chain(good: Path, tmp_path: Path) -> Path:
+def sharded_copy(good: Path, tmp_path: Path) -> Path:
     shutil.copytree(good, tmp_path / "chain")
     return tmp_path / "chain"
 
@@ -80,14 +77,16 @@ def assert_reported(chain: Path, needle: str, where: str) -> None:
     assert result.exit_code in (1, 2) and "Traceback" not in result.output, result.output
 
 
-def test_flipped_byte_in_the_sharded_root(chain: Path) -> None:
-    data = bytearray((chain / "sharded.json").read_bytes())
+@pytest.mark.procs
+def test_flipped_byte_in_the_sharded_root(sharded_copy: Path) -> None:
+    data = bytearray((sharded_copy / "sharded.json").read_bytes())
     i = data.index(b'"world_size"') + len(b'"world_size": ')
     data[i] = ord("3") if data[i] != ord("3") else ord("5")
-    (chain / "sharded.json").write_bytes(bytes(data))
-    assert_reported(chain, "", "sharded.json")
+    (sharded_copy / "sharded.json").write_bytes(bytes(data))
+    assert_reported(sharded_copy, "", "sharded.json")
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize(("what", "change", "needle"), [
     ("coverage gap", lambda d: d["tensors"]["model/a.weight"]["shards"][1]["lengths"].__setitem__(0, 40),
      "no shard covers"),
@@ -101,98 +100,107 @@ def test_flipped_byte_in_the_sharded_root(chain: Path) -> None:
     ("dimensions", lambda d: d["tensors"]["model/a.weight"].__setitem__("shape", [1] * 65), "dimensions"),
     ("version", lambda d: d.__setitem__("format_version", "1.2"), "not a sharded format"),
 ])
-def test_crafted_layouts_are_refused(chain: Path, what: str, change: Callable[[dict[str, Any]], None],
+def test_crafted_layouts_are_refused(sharded_copy: Path, what: str, change: Callable[[dict[str, Any]], None],
                                      needle: str) -> None:
-    rewrite_root(chain, change)
-    assert_reported(chain, needle, "sharded.json")
+    rewrite_root(sharded_copy, change)
+    assert_reported(sharded_copy, needle, "sharded.json")
 
 
-def test_a_huge_claimed_shape_is_refused_without_allocating(chain: Path) -> None:
+@pytest.mark.procs
+def test_a_huge_claimed_shape_is_refused_without_allocating(sharded_copy: Path) -> None:
     def huge(d: dict[str, Any]) -> None:
         layout = d["tensors"]["model/a.weight"]
         layout["shape"] = [2**40, 16]
         layout["shards"] = [{"rank": r, "offsets": [r * 2**39, 0], "lengths": [2**39, 16]} for r in range(2)]
 
-    rewrite_root(chain, huge)
+    rewrite_root(sharded_copy, huge)
     started = time.monotonic()
-    report = ldformat.validate(chain)
+    report = ldformat.validate(sharded_copy)
     assert not report.ok and time.monotonic() - started < 30
     assert "model/a.weight" in "; ".join(str(p) for p in report.problems)
 
 
-def test_a_missing_commit_record(chain: Path) -> None:
+@pytest.mark.procs
+def test_a_missing_commit_record(sharded_copy: Path) -> None:
     """Validation checks the whole commit log; a reader needs only the newest record (spec §20.3.2)."""
-    store = ldformat.LocalStore(chain)
-    while len(list((chain / "commits").glob("*.json"))) < 3:  # record 2 in the middle, whatever the run made
-        last = newest_commit(store, str(chain))
+    store = ldformat.LocalStore(sharded_copy)
+    while len(list((sharded_copy / "commits").glob("*.json"))) < 3:  # record 2 in the middle, whatever the run made
+        last = newest_commit(store, str(sharded_copy))
         assert last is not None
-        create_commit(store, str(chain), last.step, last)
-    (chain / "commits" / "000000000002.json").unlink()
-    report = ldformat.validate(chain)
+        create_commit(store, str(sharded_copy), last.step, last)
+    (sharded_copy / "commits" / "000000000002.json").unlink()
+    report = ldformat.validate(sharded_copy)
     assert not report.ok
     assert "commit record missing" in "; ".join(map(str, report.problems))
     assert "commits/000000000002.json" in "; ".join(map(str, report.problems))
-    assert ldformat.open_reader(chain).materialize()["step"] == STEPS
+    assert ldformat.open_reader(sharded_copy).materialize()["step"] == STEPS
 
 
-def test_a_commit_naming_a_step_no_rank_holds(chain: Path) -> None:
-    store = ldformat.LocalStore(chain)
-    create_commit(store, str(chain), 99, newest_commit(store, str(chain)))
-    report = ldformat.validate(chain)
+@pytest.mark.procs
+def test_a_commit_naming_a_step_no_rank_holds(sharded_copy: Path) -> None:
+    store = ldformat.LocalStore(sharded_copy)
+    create_commit(store, str(sharded_copy), 99, newest_commit(store, str(sharded_copy)))
+    report = ldformat.validate(sharded_copy)
     assert not report.ok and "missing from the chain of rank(s) [0, 1]" in "; ".join(map(str, report.problems))
 
 
-def test_no_commit_record_means_no_committed_step(chain: Path) -> None:
-    shutil.rmtree(chain / "commits")
-    reader = ldformat.open_reader(chain)
+@pytest.mark.procs
+def test_no_commit_record_means_no_committed_step(sharded_copy: Path) -> None:
+    shutil.rmtree(sharded_copy / "commits")
+    reader = ldformat.open_reader(sharded_copy)
     assert reader.steps == [] and reader.latest_step is None
     with pytest.raises(ldformat.EmptyChainError):
         reader.materialize()
-    report = ldformat.validate(chain)
+    report = ldformat.validate(sharded_copy)
     assert not report.ok and "no commit record" in "; ".join(map(str, report.problems))
 
 
-def test_an_unfinished_creation_is_one_problem(chain: Path) -> None:
+@pytest.mark.procs
+def test_an_unfinished_creation_is_one_problem(sharded_copy: Path) -> None:
     """No commit record and rank 1's chain not created yet (a job starting): validate says that
     it is an unfinished creation, and nothing about the missing rank chain."""
-    shutil.rmtree(chain / "commits")
-    shutil.rmtree(chain / "ranks" / "00001")
-    report = ldformat.validate(chain)
+    shutil.rmtree(sharded_copy / "commits")
+    shutil.rmtree(sharded_copy / "ranks" / "00001")
+    report = ldformat.validate(sharded_copy)
     assert [p.message for p in report.problems if "unfinished creation" in p.message]
     assert not [p for p in report.problems if "missing" in p.message], report.problems
 
 
-def test_a_missing_rank_chain(chain: Path) -> None:
-    shutil.rmtree(chain / "ranks" / "00001")
-    assert_reported(chain, "rank 1's chain is missing", "ranks/00001")
+@pytest.mark.procs
+def test_a_missing_rank_chain(sharded_copy: Path) -> None:
+    shutil.rmtree(sharded_copy / "ranks" / "00001")
+    assert_reported(sharded_copy, "rank 1's chain is missing", "ranks/00001")
 
 
-def test_both_root_files(chain: Path) -> None:
-    shutil.copy(chain / "ranks" / "00000" / "ldformat.json", chain / "ldformat.json")
-    assert_reported(chain, "both sharded.json and ldformat.json", str(chain))
+@pytest.mark.procs
+def test_both_root_files(sharded_copy: Path) -> None:
+    shutil.copy(sharded_copy / "ranks" / "00000" / "ldformat.json", sharded_copy / "ldformat.json")
+    assert_reported(sharded_copy, "both sharded.json and ldformat.json", str(sharded_copy))
 
 
-def test_a_flipped_byte_in_a_rank_chain_object_names_it(chain: Path) -> None:
-    anchor = sorted((chain / "ranks" / "00001" / "anchors").rglob("*.safetensors"))[-1]
+@pytest.mark.procs
+def test_a_flipped_byte_in_a_rank_chain_object_names_it(sharded_copy: Path) -> None:
+    anchor = sorted((sharded_copy / "ranks" / "00001" / "anchors").rglob("*.safetensors"))[-1]
     data = bytearray(anchor.read_bytes())
     data[-3] ^= 0x40
     anchor.write_bytes(bytes(data))
-    report = ldformat.validate(chain)
+    report = ldformat.validate(sharded_copy)
     assert not report.ok
     assert any("ranks/00001" in str(p) and anchor.name in str(p) for p in report.problems), report.problems
 
 
-def test_pending_steps_beyond_the_last_commit_are_not_committed(chain: Path) -> None:
-    commits = sorted((chain / "commits").glob("*.json"))
+@pytest.mark.procs
+def test_pending_steps_beyond_the_last_commit_are_not_committed(sharded_copy: Path) -> None:
+    commits = sorted((sharded_copy / "commits").glob("*.json"))
     commits[-1].unlink()  # the last commit never happened: its steps are pending in every rank chain
-    reader = ldformat.open_reader(chain)
+    reader = ldformat.open_reader(sharded_copy)
     assert isinstance(reader, ldformat.ShardedReader)
     assert reader.latest_step is not None and reader.latest_step < STEPS
     assert STEPS in reader.ranks[0].steps and STEPS not in reader.steps
-    assert ldformat.validate(chain).ok
+    assert ldformat.validate(sharded_copy).ok
 
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 
 
 @pytest.fixture

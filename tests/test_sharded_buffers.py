@@ -11,29 +11,30 @@ rank 3 is a copy of rank 1, whose statistics differ from rank 0's."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-import launching
 import pytest
 import torch
 from models import bits
+from paths import SUPPORT
+from ports import gloo_env
 from sharded_state import index_layout, state_diffs
 
 import ldformat
 
-WORKER = Path(__file__).with_name("sharded_bn_job.py")
+WORKER = SUPPORT / "sharded_bn_job.py"
 WORLD = 2
 STEPS = 5
 BOUND_S = 240.0
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.procs,
+]
 
 
 class Job:
@@ -48,7 +49,7 @@ class Job:
 
 
 def run_job(outdir: Path, world: int, runs: list[str]) -> Job:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(launching.free_port()), OMP_NUM_THREADS="1")
+    env = gloo_env()
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), str(outdir), *runs],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]

@@ -41,19 +41,20 @@ import launching
 import pytest
 import torch
 from bitwise import bits
-from click.testing import CliRunner, Result
+from clirun import invoke
+from paths import SUPPORT
 from sharded_state import assert_same, index_layout, state_diffs
 
 import ldformat
-from ldtools.cli import cli
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                        reason="needs torch.distributed with gloo"),
     pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.procs,
 ]
 
-WORKER = Path(__file__).with_name("sharded_copies_job.py")
+WORKER = SUPPORT / "sharded_copies_job.py"
 STEPS = 6  # anchor_every=3, batch_steps=2: anchors at 0, 3, 6; deltas 1-2, 4-5
 MORE = 2  # steps trained on after the resume at world 2
 MODES = {"xor": "xor", "lowdiff": "lowdiff", "lowdiffp": "lowdiff+"}  # run/chain key -> Checkpointer mode
@@ -138,20 +139,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
 
 
-def invoke(*args: Any) -> Result:
-    """ldtools in this process (no process group)."""
-    return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def cli_ok(*args: Any) -> Result:
-    result = invoke(*args)
-    assert "Traceback" not in result.output, result.output
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise AssertionError(f"ldtools {args} raised {result.exception!r}") from result.exception
-    assert result.exit_code == 0, f"ldtools {args}: exit {result.exit_code}:\n{result.output}"
-    return result
-
-
 def assert_chain_matches(path: Path, launch: Launch, run: str, steps: list[int]) -> None:
     reader = ldformat.open_reader(path)
     assert isinstance(reader, ldformat.ShardedReader)
@@ -216,7 +203,7 @@ def test_copy_ranks_write_no_rank_chain(w4: Launch, key: str) -> None:
     assert sorted(reader.ranks) == [0, 1]
     assert reader.root.world_size == 4
     assert dict(reader.root.copies) == {2: 0, 3: 1}
-    info = json.loads(cli_ok("info", path, "--json").stdout)
+    info = json.loads(invoke("info", path, "--json").stdout)
     assert info["format_version"] == "1.4" and info["world_size"] == 4
 
 
@@ -230,8 +217,8 @@ def test_chain_validates(w4: Launch, key: str) -> None:
     path = w4.chain(key)
     report = ldformat.validate(path)
     assert report.ok, report.problems
-    cli_ok("validate", path)
-    cli_ok("validate", "--deep", path)
+    invoke("validate", path)
+    invoke("validate", "--deep", path)
 
 
 def test_cli_materialize_in_a_fresh_process(w4: Launch, tmp_path: Path) -> None:
@@ -316,7 +303,7 @@ def test_reopened_lowdiff_chain_records_on_with_its_copies(w4: Launch, run: str)
         ranks = reader.ranks[0].materialize(step)["extra"]["ranks"]
         for rank in (2, 3):
             assert torch.equal(ranks[str(rank)]["rng"]["torch"], w4.record("train-lowdiff", rank)["rng"][step])
-    cli_ok("validate", "--deep", path)
+    invoke("validate", "--deep", path)
 
 
 # -- 3: resume at world 2, plain FSDP2 --------------------------------------------------------------------
@@ -345,14 +332,14 @@ def test_truncate_and_compact(w4: Launch, tmp_path: Path, key: str) -> None:
     chain = tmp_path / f"hsdp-{key}"
     shutil.copytree(w4.chain(key), chain)
     run = f"train-{key}"
-    cli_ok("truncate", chain, "--after", 5, "--yes")
+    invoke("truncate", chain, "--after", 5, "--yes")
     assert_chain_matches(chain, w4, run, list(range(6)))
-    cli_ok("validate", chain)
-    cli_ok("compact", chain, "--max-replay", 1)
+    invoke("validate", chain)
+    invoke("compact", chain, "--max-replay", 1)
     assert_chain_matches(chain, w4, run, list(range(6)))
-    cli_ok("compact", chain, "--keep-last", 3, "--yes")
+    invoke("compact", chain, "--keep-last", 3, "--yes")
     assert_chain_matches(chain, w4, run, [3, 4, 5])
     report = ldformat.validate(chain, deep=True)
     assert report.ok, report.problems
-    cli_ok("validate", chain)
+    invoke("validate", chain)
     assert_copy_layout(chain)

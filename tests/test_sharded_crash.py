@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,32 +24,28 @@ from typing import Any
 
 import pytest
 import torch
+from paths import SUPPORT
+from ports import gloo_env
 
 import ldformat
-from ldformat.state import bits_view
+from ldformat.format.state import bits_view
 
-WORKER = Path(__file__).parent / "sharded_crash_worker.py"
+WORKER = SUPPORT / "sharded_crash_worker.py"
 WORLD = 2
 STEPS = 24
 EXIT_BOUND_S = 60.0  # the survivor's collective times out after 30 s; rank 0 waits 10 s more at most
 RUN_BOUND_S = 240.0
 
-pytestmark = pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
-    reason="needs torch.distributed with gloo",
-)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+pytestmark = [
+    pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.procs,
+]
 
 
 def _start(outdir: Path, steps: int, *flags: str, rank_flags: dict[int, list[str]] | None = None
            ) -> list[subprocess.Popen[str]]:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env = gloo_env(PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
     procs = []
     for rank in range(WORLD):
         extra = (rank_flags or {}).get(rank, [])

@@ -33,23 +33,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ldformat.writer
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner, Result
+from clirun import invoke
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 from record_edit import edit_records, record_paths
 from torch import nn
 
 import ldformat
-import ldformat.writer
 from ldformat import ChainReader, ChainWriter
-from ldformat.delta import Segment, decode_batch, difference_delta, encode_batch
 from ldformat.errors import CorruptChainError, UnsupportedStateError, UnsupportedVersionError
-from ldformat.jsonvalue import object_checksum, with_checksum
-from ldformat.manifest import SlotInfo
-from ldformat.predict import predict_parameter, predict_second_moment
-from ldtools.cli import cli
+from ldformat.format.checksum import object_checksum, with_checksum
+from ldformat.format.delta import Segment, decode_batch, difference_delta, encode_batch
+from ldformat.format.manifest import SlotInfo
+from ldformat.format.predict import predict_parameter, predict_second_moment
 
 Hook = Callable[[int, nn.Module, torch.optim.Optimizer], Callable[[], None] | None]
 OptFactory = Callable[[nn.Module], torch.optim.Optimizer]
@@ -238,22 +237,14 @@ def dropped(name: str) -> Callable[[list[SlotInfo], Rows], None]:
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
-def cli_run(*args: Any) -> Result:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert result.exception is None or isinstance(result.exception, SystemExit), (
-        f"ldtools {' '.join(map(str, args))} raised {result.exception!r}\n{result.output}")
-    assert "Traceback" not in result.output
-    return result
-
-
 def assert_cli_refuses(chain: Path, step: int, fragment: str, tmp_path: Path) -> None:
     """``ldtools validate`` exits 1 listing the problem; ``ldtools materialize --step`` exits 1
     with one error line naming the step (spec §18, §18.1)."""
-    result = cli_run("validate", chain)
+    result = invoke("validate", chain, code=None)
     assert result.exit_code == 1, result.output
     assert fragment in result.stdout, (fragment, result.stdout)
     out = tmp_path / "out" / "state.pt"
-    result = cli_run("materialize", chain, "--step", step, "-o", out)
+    result = invoke("materialize", chain, "--step", step, "-o", out, code=None)
     assert result.exit_code == 1, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ldtools: error: "), result.stderr
@@ -276,15 +267,16 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
 
 
 @pytest.fixture
-def chain(pristine: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> tuple[Path, dict[int, dict[str, Any]]]:
+def adamw_chain(pristine: tuple[Path, dict[int, dict[str, Any]]],
+                tmp_path: Path) -> tuple[Path, dict[int, dict[str, Any]]]:
     src, refs = pristine
     dst = tmp_path / "chain"
     shutil.copytree(src, dst)
     return dst, refs
 
 
-def test_the_pristine_chain_predicts_and_replays(chain: tuple[Path, dict[int, dict[str, Any]]]) -> None:
-    path, refs = chain
+def test_the_pristine_chain_predicts_and_replays(adamw_chain: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    path, refs = adamw_chain
     encodings = slot_encodings(path)
     assert encodings["model/embed.weight"] == {"adam.w"}
     assert encodings["optimizer/1/exp_avg_sq"] == {"adam.v"}
@@ -344,10 +336,10 @@ REFUSED: list[tuple[str, int, int, Callable[[list[SlotInfo], Rows], None], str]]
 
 
 @pytest.mark.parametrize(("case", "step", "failing", "change", "fragment"), REFUSED, ids=[c[0] for c in REFUSED])
-def test_crafted_predicted_slots_are_refused(chain: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path, case: str,
-                                             step: int, failing: int,
+def test_crafted_predicted_slots_are_refused(adamw_chain: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path,
+                                             case: str, step: int, failing: int,
                                              change: Callable[[list[SlotInfo], Rows], None], fragment: str) -> None:
-    path, refs = chain
+    path, refs = adamw_chain
     if case == "previous-first-moment-of-another-shape":  # batch 1-3 holds m flat, and nothing predicted
         edit_batch(path, 1, chained(change_slot(M1, shape=(512,)), change_slot(V1, encoding="sub"),
                                     change_slot("model/embed.weight", encoding="sub")))
@@ -370,24 +362,24 @@ def test_crafted_predicted_slots_are_refused(chain: tuple[Path, dict[int, dict[s
     assert_cli_refuses(path, failing, fragment, tmp_path)
 
 
-def test_an_unknown_encoding_is_refused(chain: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
+def test_an_unknown_encoding_is_refused(adamw_chain: tuple[Path, dict[int, dict[str, Any]]], tmp_path: Path) -> None:
     """Spec §10.3: a reader MUST reject a slot with an unknown encoding (the reference reader:
     UnsupportedVersionError, spec §3.3); ldtools exits 1 (spec §18.1)."""
-    path, _ = chain
+    path, _ = adamw_chain
     edit_batch(path, 4, change_slot(V1, encoding="adam.m"))
     with pytest.raises((CorruptChainError, UnsupportedVersionError)) as info:
         ChainReader(path).materialize(4)
     assert "adam.m" in str(info.value)
     report = ldformat.validate(path)
     assert not report.ok and "adam.m" in "\n".join(map(str, report.problems))
-    result = cli_run("validate", path)
+    result = invoke("validate", path, code=None)
     assert result.exit_code == 1, result.output
-    result = cli_run("materialize", path, "--step", 4, "-o", tmp_path / "o.pt")
+    result = invoke("materialize", path, "--step", 4, "-o", tmp_path / "o.pt", code=None)
     assert result.exit_code == 1 and result.stderr.startswith("ldtools: error: "), result.output
 
 
-def test_adam_w_ignores_the_previous_first_moment(chain: tuple[Path, dict[int, dict[str, Any]]]) -> None:
-    path, _ = chain
+def test_adam_w_ignores_the_previous_first_moment(adamw_chain: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+    path, _ = adamw_chain
     # batch 1-3: m flat (512 elements), v and w not predicted; batch 4-6: m dropped, v plain, w predicted
     edit_batch(path, 1, chained(change_slot(M1, shape=(512,)), change_slot(V1, encoding="sub"),
                                 change_slot("model/embed.weight", encoding="sub")))
@@ -573,7 +565,7 @@ def test_nan_inf_and_signed_zeros_in_the_live_state_replay_exactly(tmp_path: Pat
     enc = slot_encodings(path)
     assert enc["model/scalar"] == {"adam.w"} and enc["model/empty"] == {"adam.w"}  # 0-d and 0 elements
     assert_exact(path, refs)
-    result = cli_run("validate", "--deep", path)
+    result = invoke("validate", "--deep", path, code=None)
     assert result.exit_code == 0, result.output
 
 
@@ -687,9 +679,10 @@ def test_the_writer_refuses_state_that_changes_shape_between_batches(tmp_path: P
 
 
 # -- hand-made predicted slots that are valid --------------------------------------------------------
-def test_coefficients_without_a_predicted_slot_are_not_state(chain: tuple[Path, dict[int, dict[str, Any]]]) -> None:
+def test_coefficients_without_a_predicted_slot_are_not_state(
+        adamw_chain: tuple[Path, dict[int, dict[str, Any]]]) -> None:
     """A predict/<i> slot of a parameter with no predicted slot in the row changes nothing."""
-    path, refs = chain
+    path, refs = adamw_chain
 
     def add(slots: list[SlotInfo], rows: Rows) -> None:
         slots.append(SlotInfo(name="predict/0", dtype="float32", shape=(7,), encoding="dense"))
@@ -702,12 +695,12 @@ def test_coefficients_without_a_predicted_slot_are_not_state(chain: tuple[Path, 
 
 
 @pytest.mark.parametrize("coefficients", ["spec", "zero", "nan"])
-def test_a_predicted_slot_whose_inputs_are_absent(chain: tuple[Path, dict[int, dict[str, Any]]],
+def test_a_predicted_slot_whose_inputs_are_absent(adamw_chain: tuple[Path, dict[int, dict[str, Any]]],
                                                   coefficients: str) -> None:
     """adam.w on ``model/unused``, a parameter without optimizer state: m and v are all-zero bits
     (spec §11.3.1), so P = w0 * a - (0 / (sqrt(0) / c + e)) * s, or +0.0 where that is NaN
     (zero coefficients: 0 / 0). The values are computed here by the spec's formula."""
-    path, refs = chain
+    path, refs = adamw_chain
     coef = {"spec": _u32(*SPEC_COEFFICIENTS), "zero": _u32(*[0] * 7), "nan": _u32(*[0x7FC00000] * 7)}[coefficients]
 
     def predicted(first: int) -> Callable[[list[SlotInfo], Rows], None]:

@@ -14,16 +14,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
+from paths import REPO
 
 import ldformat
-from ldformat import delta
-from ldformat.delta import check_slots, difference_delta, undifference
 from ldformat.errors import CorruptChainError
-from ldformat.manifest import SlotInfo, state_delta_encoding
-from ldformat.predict import predict_parameter, predict_second_moment
+from ldformat.format import delta
+from ldformat.format.delta import check_slots, difference_delta, undifference
+from ldformat.format.manifest import SlotInfo, state_delta_encoding
+from ldformat.format.predict import predict_parameter, predict_second_moment
 from ldtools.cli import cli
 
-SPEC = Path(__file__).parent.parent / "spec" / "ldformat.md"
+SPEC = REPO / "spec" / "ldformat.md"
 WIDTHS = {"float32": np.uint32, "bfloat16": np.uint16, "int64": np.uint64, "uint8": np.uint8}
 
 
@@ -352,7 +353,7 @@ def test_adam_v_on_the_first_moment_is_refused() -> None:
 def test_by_parameter_groups_a_parameters_tensors_and_leaves_the_others_alone() -> None:
     """What the row coder parallelizes over (ldformat.predict.by_parameter): a parameter's
     weight and optimizer tensors in one group, the first index of a repeated name."""
-    from ldformat.predict import by_parameter
+    from ldformat.format.predict import by_parameter
 
     names = ["model/a", "model/bn.running_mean", "optimizer/0/exp_avg", "optimizer/1/exp_avg_sq", "model/b",
              "optimizer/0/step", "optimizer/1/exp_avg", "predict/1", "optimizer/ref/x"]

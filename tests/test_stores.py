@@ -86,7 +86,7 @@ class TestFaultyMemoryStore(StoreContract[FaultyStore]):
 
 # -- LocalStore only ------------------------------------------------------------------------------
 @pytest.fixture
-def chain(tmp_path: Path) -> Path:
+def chain_dir(tmp_path: Path) -> Path:
     path = tmp_path / "chain"
     path.mkdir()
     return path
@@ -110,47 +110,48 @@ ALL_PRIMITIVES = PRIMITIVES
 
 
 @pytest.mark.parametrize("primitive", sorted(ALL_PRIMITIVES))
-def test_local_symbolic_links_are_refused_by_every_primitive(chain: Path, outside: Path, primitive: str) -> None:
-    (chain / "log").mkdir()
-    (chain / "log" / "000000000001.json").symlink_to(outside / "secret")  # the final name
-    (chain / "anchors").symlink_to(outside, target_is_directory=True)  # a directory on the way
-    (chain / "log" / "dangling").symlink_to(outside / "missing")
-    before, before_outside = _tree(chain), _tree(outside)
-    store = LocalStore(chain)
+def test_local_symbolic_links_are_refused_by_every_primitive(chain_dir: Path, outside: Path, primitive: str) -> None:
+    (chain_dir / "log").mkdir()
+    (chain_dir / "log" / "000000000001.json").symlink_to(outside / "secret")  # the final name
+    (chain_dir / "anchors").symlink_to(outside, target_is_directory=True)  # a directory on the way
+    (chain_dir / "log" / "dangling").symlink_to(outside / "missing")
+    before, before_outside = _tree(chain_dir), _tree(outside)
+    store = LocalStore(chain_dir)
     for path in ("log/000000000001.json", "anchors/secret", "anchors/new", "anchors", "log/dangling",
                  "log/dangling/x"):
         if primitive == "list" and path != "anchors":
             continue  # a listed prefix that is a link is refused; one below it too
         with pytest.raises(CorruptChainError, match="symbolic links are not allowed"):
             ALL_PRIMITIVES[primitive](store, path)
-    assert _tree(chain) == before
+    assert _tree(chain_dir) == before
     assert _tree(outside) == before_outside
     assert not (outside / "missing").exists()
 
 
-def test_local_list_does_not_follow_links(chain: Path, outside: Path) -> None:
-    store = LocalStore(chain)
+def test_local_list_does_not_follow_links(chain_dir: Path, outside: Path) -> None:
+    store = LocalStore(chain_dir)
     store.write("log/000000000001.json", b"{}")
-    (chain / "log" / "000000000002.json").symlink_to(outside / "secret")
-    (chain / "log" / "sub").symlink_to(outside, target_is_directory=True)
-    (chain / "link-at-root").symlink_to(outside / "secret")
+    (chain_dir / "log" / "000000000002.json").symlink_to(outside / "secret")
+    (chain_dir / "log" / "sub").symlink_to(outside, target_is_directory=True)
+    (chain_dir / "link-at-root").symlink_to(outside / "secret")
     assert store.list("log") == ["log/000000000001.json"]
     assert store.list("") == ["log/000000000001.json"]
     with pytest.raises(CorruptChainError):
         store.list("log/sub")
 
 
-def test_local_root_may_be_a_symbolic_link(tmp_path: Path, chain: Path) -> None:
-    (tmp_path / "via-link").symlink_to(chain, target_is_directory=True)
+def test_local_root_may_be_a_symbolic_link(tmp_path: Path, chain_dir: Path) -> None:
+    (tmp_path / "via-link").symlink_to(chain_dir, target_is_directory=True)
     store = LocalStore(tmp_path / "via-link")
     store.create_exclusive("log/000000000001.json", b"{}")
-    assert (chain / "log" / "000000000001.json").read_bytes() == b"{}"
+    assert (chain_dir / "log" / "000000000001.json").read_bytes() == b"{}"
     assert store.list("") == ["log/000000000001.json"]
 
 
 @pytest.mark.parametrize("primitive", sorted(ALL_PRIMITIVES))
-def test_local_unsafe_paths_reach_nothing_outside(tmp_path: Path, chain: Path, outside: Path, primitive: str) -> None:
-    store = LocalStore(chain)
+def test_local_unsafe_paths_reach_nothing_outside(tmp_path: Path, chain_dir: Path, outside: Path,
+                                                  primitive: str) -> None:
+    store = LocalStore(chain_dir)
     before = _tree(tmp_path)
     for path in UNSAFE_PATHS:
         if primitive == "list" and path == "":
@@ -170,22 +171,22 @@ def test_local_root_is_created_by_the_first_write(tmp_path: Path) -> None:
     assert (tmp_path / "new" / "chain" / "ldformat.json").read_bytes() == b"{}"
 
 
-def test_local_delete_removes_the_directories_it_empties(chain: Path) -> None:
-    store = LocalStore(chain)
+def test_local_delete_removes_the_directories_it_empties(chain_dir: Path) -> None:
+    store = LocalStore(chain_dir)
     store.write("deltas/1-1-0123abcd/c/0/0", b"")
     store.write("deltas/2-2-0123abcd/zarr.json", b"")
     store.delete("deltas/1-1-0123abcd/c/0/0")
-    assert sorted(p.relative_to(chain).as_posix() for p in chain.rglob("*")) == [
+    assert sorted(p.relative_to(chain_dir).as_posix() for p in chain_dir.rglob("*")) == [
         "deltas", "deltas/2-2-0123abcd", "deltas/2-2-0123abcd/zarr.json"]
-    assert chain.is_dir(), "the chain root itself stays"
+    assert chain_dir.is_dir(), "the chain root itself stays"
 
 
-def test_local_write_survives_a_delete_emptying_its_directory(chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_write_survives_a_delete_emptying_its_directory(chain_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Deterministic form of the race in the contract's thread test: a concurrent delete()
     # removes the directory a write has just made, before the write opens its file there.
-    store = LocalStore(chain)
+    store = LocalStore(chain_dir)
     real_makedirs = os.makedirs
-    lose_once = {chain / "deltas" / "1-1-0123abcd" / "c", chain / "log"}
+    lose_once = {chain_dir / "deltas" / "1-1-0123abcd" / "c", chain_dir / "log"}
     raced: list[Path] = []
 
     def makedirs_then_lose_the_race(name: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
@@ -199,31 +200,31 @@ def test_local_write_survives_a_delete_emptying_its_directory(chain: Path, monke
     store.write("deltas/1-1-0123abcd/c/0", b"written")
     store.create_exclusive("log/000000000001.json", b"created")
     monkeypatch.undo()
-    assert raced == [chain / "deltas" / "1-1-0123abcd" / "c", chain / "log"]
+    assert raced == [chain_dir / "deltas" / "1-1-0123abcd" / "c", chain_dir / "log"]
     assert store.read("deltas/1-1-0123abcd/c/0") == b"written"
     assert store.read("log/000000000001.json") == b"created"
     assert store.list("") == ["deltas/1-1-0123abcd/c/0", "log/000000000001.json"]
 
 
-def test_local_temporary_name_taken_is_not_a_lost_race(chain: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_temporary_name_taken_is_not_a_lost_race(chain_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A leftover temporary file (or a concurrent call drawing the same 32 bits) has the name
     # the next create_exclusive draws: it must draw again, not report that the record exists.
-    (chain / "log").mkdir()
-    (chain / "log" / ".tmp-000000000001.json-00000000").write_bytes(b"leftover")
+    (chain_dir / "log").mkdir()
+    (chain_dir / "log" / ".tmp-000000000001.json-00000000").write_bytes(b"leftover")
     tokens = iter(["00000000", "00000000", "11111111"])
     monkeypatch.setattr(local_module, "secrets", SimpleNamespace(token_hex=lambda n: next(tokens)))
-    store = LocalStore(chain)
+    store = LocalStore(chain_dir)
     store.create_exclusive("log/000000000001.json", b"record 1")
     assert store.read("log/000000000001.json") == b"record 1"
     assert store.list("log") == ["log/.tmp-000000000001.json-00000000", "log/000000000001.json"]
-    assert (chain / "log" / ".tmp-000000000001.json-00000000").read_bytes() == b"leftover"
+    assert (chain_dir / "log" / ".tmp-000000000001.json-00000000").read_bytes() == b"leftover"
 
 
-def test_local_create_exclusive_over_a_directory_is_not_file_exists(chain: Path) -> None:
-    (chain / "log" / "000000000001.json").mkdir(parents=True)
+def test_local_create_exclusive_over_a_directory_is_not_file_exists(chain_dir: Path) -> None:
+    (chain_dir / "log" / "000000000001.json").mkdir(parents=True)
     with pytest.raises(IsADirectoryError):
-        LocalStore(chain).create_exclusive("log/000000000001.json", b"{}")
-    assert LocalStore(chain).list("log") == []
+        LocalStore(chain_dir).create_exclusive("log/000000000001.json", b"{}")
+    assert LocalStore(chain_dir).list("log") == []
 
 
 class _FailingTempFileStore(LocalStore):
@@ -254,28 +255,28 @@ class _FailingTempFileStore(LocalStore):
 
 
 @pytest.mark.parametrize("hook", ["write", "fsync"])
-def test_local_failed_create_exclusive_leaves_nothing(chain: Path, hook: str) -> None:
+def test_local_failed_create_exclusive_leaves_nothing(chain_dir: Path, hook: str) -> None:
     # The temporary file of a failed exclusive create is removed, and the name stays free.
-    store = _FailingTempFileStore(chain, hook)
+    store = _FailingTempFileStore(chain_dir, hook)
     with pytest.raises(OSError) as info:
         store.create_exclusive("log/000000000001.json", b"{}" * 1000)
     assert not isinstance(info.value, FileExistsError)
     assert store.list("") == []
-    LocalStore(chain).create_exclusive("log/000000000001.json", b"{}")
+    LocalStore(chain_dir).create_exclusive("log/000000000001.json", b"{}")
     assert store.list("") == ["log/000000000001.json"]
 
 
-def test_local_path_names_the_file(chain: Path) -> None:
-    store = LocalStore(chain)
+def test_local_path_names_the_file(chain_dir: Path) -> None:
+    store = LocalStore(chain_dir)
     store.write("anchors/0-0123abcd.safetensors", b"x")
-    assert store.local_path("anchors/0-0123abcd.safetensors") == chain / "anchors" / "0-0123abcd.safetensors"
+    assert store.local_path("anchors/0-0123abcd.safetensors") == chain_dir / "anchors" / "0-0123abcd.safetensors"
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise") or not Path("/proc/self/fd").is_dir(),
                     reason="needs posix_fadvise and /proc/self/fd")
 @pytest.mark.parametrize("drop_cache", [True, False])
 def test_local_sync_drops_large_objects_from_the_page_cache_once_durable(
-        chain: Path, monkeypatch: pytest.MonkeyPatch, drop_cache: bool) -> None:
+        chain_dir: Path, monkeypatch: pytest.MonkeyPatch, drop_cache: bool) -> None:
     """A large object leaves the page cache right after its fsync (a whole-file DONTNEED);
     small ones (metadata, records) stay cached, and ``drop_cache=False`` keeps everything."""
     events: list[tuple[str, str]] = []
@@ -295,7 +296,7 @@ def test_local_sync_drops_large_objects_from_the_page_cache_once_durable(
 
     monkeypatch.setattr(os, "posix_fadvise", spy_fadvise)
     monkeypatch.setattr(LocalStore, "_fsync_fd", spy_fsync)
-    store = LocalStore(chain, drop_cache=drop_cache)
+    store = LocalStore(chain_dir, drop_cache=drop_cache)
     big = np.arange(local_module.DROP_CACHE_MIN_BYTES // 4, dtype=np.uint32)
     store.write("deltas/1-1-0123abcd/c/0", big)
     store.write("deltas/1-1-0123abcd/zarr.json", b"{}")
@@ -422,14 +423,14 @@ def test_faulty_torn_write_keeps_a_prefix(torn: int | float, op: str) -> None:
     assert fault.calls == 2 and fault.fired == 1
 
 
-def test_faulty_torn_write_on_a_local_store_leaves_a_partial_file(chain: Path) -> None:
-    store = FaultyStore(LocalStore(chain))
+def test_faulty_torn_write_on_a_local_store_leaves_a_partial_file(chain_dir: Path) -> None:
+    store = FaultyStore(LocalStore(chain_dir))
     big = np.frombuffer(bytes(range(256)) * 40_000, np.uint8)
     store.fail("write_parts", errno.EFBIG, torn=1_000_001)
     with pytest.raises(OSError) as info:
         store.write_parts("anchors/0-0123abcd.safetensors", [b"head", big])
     assert info.value.errno == errno.EFBIG
-    on_disk = (chain / "anchors" / "0-0123abcd.safetensors").read_bytes()
+    on_disk = (chain_dir / "anchors" / "0-0123abcd.safetensors").read_bytes()
     assert on_disk == (b"head" + big.tobytes())[:1_000_001]
 
 
@@ -554,10 +555,10 @@ def test_faulty_refuses_rules_that_mean_nothing(rule: dict[str, object]) -> None
         Fault(**rule)  # type: ignore[arg-type]
 
 
-def test_faulty_without_rules_passes_everything_through(chain: Path) -> None:
-    store = FaultyStore(LocalStore(chain), [Fault(ops=("read",), path="nothing/*")])
+def test_faulty_without_rules_passes_everything_through(chain_dir: Path) -> None:
+    store = FaultyStore(LocalStore(chain_dir), [Fault(ops=("read",), path="nothing/*")])
     store.write_parts("x", [b"a", np.zeros(3, np.uint8)])
-    assert store.local_path("x") == chain / "x"
+    assert store.local_path("x") == chain_dir / "x"
     assert store.read_buffer("x").tobytes() == b"a\0\0\0"
     assert store.faults[0].calls == 0
 
@@ -679,9 +680,9 @@ def _no_leaked_threads() -> Iterator[None]:
 def test_read_verified_catches_one_flipped_byte_in_any_piece(tmp_path: Path, size: int) -> None:
     """An object of 16 MiB or more is checksummed piece by piece while it is read (on a helper
     thread); a flipped byte in the first piece, a middle one or the tail still fails it."""
-    from ldformat.jsonvalue import object_checksum
-    from ldformat.log import read_verified
-    from ldformat.manifest import ObjectRef
+    from ldformat.chain.records import read_verified
+    from ldformat.format.checksum import object_checksum
+    from ldformat.format.manifest import ObjectRef
 
     path = "anchors/0-0123abcd.safetensors"
     data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8)
@@ -705,9 +706,9 @@ def test_read_verified_catches_one_flipped_byte_in_any_piece(tmp_path: Path, siz
 
 
 def test_a_local_store_subclass_that_overrides_read_buffer_sees_every_verified_read(tmp_path: Path) -> None:
-    from ldformat.jsonvalue import object_checksum
-    from ldformat.log import read_verified
-    from ldformat.manifest import ObjectRef
+    from ldformat.chain.records import read_verified
+    from ldformat.format.checksum import object_checksum
+    from ldformat.format.manifest import ObjectRef
 
     class Counting(LocalStore):
         reads: list[str] = []

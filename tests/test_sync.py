@@ -42,8 +42,9 @@ from test_lock import make_chain, make_training, plant_stale_lock
 
 import ldformat
 from ldformat import ChainLockedError, ChainReader, ChainWriter, NotAChainError, ReplicaDivergedError, UsageError
+from ldformat.chain.lock import current_lock
+from ldformat.chain.records import ROOT_FILE, log_path, log_sequence_numbers, read_log
 from ldformat.errors import WriterIOError
-from ldformat.log import ROOT_FILE, current_lock, log_path, log_sequence_numbers, read_log
 from ldformat.stores import WRITES, FaultyStore, LocalStore, MemoryStore, Store, open_store
 from ldtools.cli import cli
 
@@ -285,6 +286,7 @@ ldformat.sync(sys.argv[1], dst, workers=1)
 """
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="a dead replicator is recognized through /proc")
 def test_killed_replicator_is_resumed(sources: dict[str, Live], tmp_path: Path) -> None:
     """``kill -9`` at several points of a copy, then a run to the end, which takes the dead lock over."""
@@ -592,6 +594,7 @@ def test_ldtools_sync_with_s3_cut_off_midway_resumes(sources: dict[str, Live], f
 KILL_CLI_SLOW_S = 0.1  # each PUT to s3:// waits this long in the proxy: the copy takes seconds
 
 
+@pytest.mark.procs
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="a dead replicator is recognized through /proc")
 def test_killed_ldtools_sync_to_s3_is_resumed(sources: dict[str, Live], s3_env: MotoServer,
                                               fault_proxy: FaultProxy) -> None:

@@ -1,6 +1,6 @@
 """Replication of a sharded chain (spec §20, §17.5): ``ldformat.sync`` and ``ldtools sync``.
 
-- A world-2 FSDP2 chain (tests/sharded_chain_maker.py, made once per module) synced to a new
+- A world-2 FSDP2 chain (tests/support/sharded_chain_maker.py, made once per session) synced to a new
   directory: the replica holds the source's ``sharded.json``, commit records and rank chains
   byte for byte, validates, and materializes every committed step bit for bit like the
   source; a second sync copies nothing; an earlier state of the chain synced first, then the
@@ -29,9 +29,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,36 +36,35 @@ from typing import Any
 import pytest
 import torch
 from bitwise import assert_same, bits
-from click.testing import CliRunner
+from clirun import invoke
+from make_sharded import FSDP_STEPS, FSDP_WORLD
+from paths import TESTS
 from torch import nn
 
 import ldformat
 from ldformat import ReplicaDivergedError, UsageError
+from ldformat.chain.lock import WriterLock
+from ldformat.chain.records import ROOT_FILE, log_path, now
+from ldformat.chain.sharded_probe import SHARDED_ROOT, rank_location
 from ldformat.errors import ChainLockedError, WriterIOError
-from ldformat.log import ROOT_FILE, WriterLock, log_path, now
-from ldformat.manifest import Record
-from ldformat.sharded import (
-    SHARDED_ROOT,
+from ldformat.format.manifest import Record
+from ldformat.sharded.chain import (
     Commit,
     ShardedRoot,
     commit_path,
     create_commit,
     create_sharded_root,
     newest_commit,
-    rank_location,
     read_commits,
 )
-from ldformat.shards import Layout, Shard
+from ldformat.sharded.layout import Layout, Shard
 from ldformat.stores import WRITES, FaultyStore, LocalStore, MemoryStore, Store
 from ldformat.stores.prefixed import PrefixedStore
 from ldformat.testing.store_contract import StoreContract
-from ldtools.cli import cli
 
-MAKER = Path(__file__).parent / "sharded_chain_maker.py"
-GOLDEN = Path(__file__).parent / "golden" / "1.3"
-WORLD = 2
-STEPS = 7
-TIMEOUT_S = 180
+GOLDEN = TESTS / "golden" / "1.3"
+WORLD = FSDP_WORLD
+STEPS = FSDP_STEPS
 
 pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -97,19 +93,6 @@ def referenced(chain: Path) -> dict[str, str]:
         names = [ROOT_FILE, *(log_path(rec.seq) for rec in rank.records), *sorted(rank.state.referenced_objects())]
         out.update({f"ranks/{r:05d}/{n}": hashlib.sha256((base / n).read_bytes()).hexdigest() for n in names})
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def invoke(*args: Any, code: int = 0) -> Any:
-    result = CliRunner().invoke(cli, [str(a) for a in args])
-    assert "Traceback" not in result.output, result.output
-    assert result.exit_code == code, f"ldtools {args}: exit {result.exit_code}:\n{result.output}"
-    return result
 
 
 def sharded(path: Path | str) -> ldformat.ShardedReader:
@@ -145,39 +128,18 @@ def remove_rank_steps(chain: Path, rank: int, after: int) -> list[tuple[Path, by
     return removed
 
 
-# -- the chain made by an FSDP2 job ------------------------------------------------------------------
+# -- the chain made by an FSDP2 job (the fsdp_chain fixture of tests/conftest.py) ---------------------
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A world-2 FSDP2 xor chain of STEPS steps (anchors every 3 steps, batches of 2)."""
-    out = tmp_path_factory.mktemp("sync-sharded")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(MAKER), "make", str(r), str(WORLD), str(out), str(STEPS)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    outputs = []
-    for p in procs:
-        try:
-            outputs.append(p.communicate(timeout=TIMEOUT_S)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            outputs.append(p.communicate()[0])
-    assert [p.returncode for p in procs] == [0] * WORLD, "\n---\n".join(outputs)
-    assert sharded(out / "chain").steps == list(range(STEPS + 1))
-    return out / "chain"
-
-
-@pytest.fixture(scope="module")
-def truth(chain: Path) -> dict[int, dict[str, Any]]:
+def truth(fsdp_chain: Path) -> dict[int, dict[str, Any]]:
     """The source's full state at every committed step."""
-    reader = sharded(chain)
+    reader = sharded(fsdp_chain)
     return {s: reader.materialize(s) for s in reader.steps}
 
 
 @pytest.fixture
-def source(chain: Path, tmp_path: Path) -> Path:
+def source(fsdp_chain: Path, tmp_path: Path) -> Path:
     """A copy of the chain that a test may change."""
-    shutil.copytree(chain, tmp_path / "src")
+    shutil.copytree(fsdp_chain, tmp_path / "src")
     return tmp_path / "src"
 
 
@@ -302,7 +264,7 @@ def _copyable_by_definition(pending: list[int], later: list[int], start: int | N
 def test_copyable_follows_the_rules() -> None:
     import random
 
-    from ldformat.replicate_sharded import copyable
+    from ldformat.sharded.replicate import copyable
 
     # Ascending records are all copied once held; none before the rank chains are synced.
     assert copyable([2, 4, 6], [], 0, {0, 1, 2, 3, 4, 5, 6}, rank_chains_synced=True) == 3
@@ -329,62 +291,62 @@ def test_copyable_follows_the_rules() -> None:
 
 # -- a replica of the FSDP2 chain -------------------------------------------------------------------
 def test_replica_is_byte_identical_and_materializes_bit_exactly(
-        chain: Path, truth: dict[int, dict[str, Any]], tmp_path: Path,
+        fsdp_chain: Path, truth: dict[int, dict[str, Any]], tmp_path: Path,
         watch_commits: list[tuple[str, int, list[list[int]]]]) -> None:
-    before = files(chain)
+    before = files(fsdp_chain)
     progress: list[tuple[str, int, int]] = []
-    report = ldformat.sync(chain, tmp_path / "dst", progress=lambda *a: progress.append(a))
-    commits = read_commits(LocalStore(chain), str(chain))
+    report = ldformat.sync(fsdp_chain, tmp_path / "dst", progress=lambda *a: progress.append(a))
+    commits = read_commits(LocalStore(fsdp_chain), str(fsdp_chain))
     assert (report.sharded, report.world_size, report.created, report.up_to_date) == (True, WORLD, True, True)
     assert report.records_copied == len(commits) == report.src_last_seq == report.dst_last_seq
-    assert report.rank_records_copied == sum(len(list((chain / "ranks" / f"{r:05d}" / "log").glob("*.json")))
+    assert report.rank_records_copied == sum(len(list((fsdp_chain / "ranks" / f"{r:05d}" / "log").glob("*.json")))
                                              for r in range(WORLD))
     assert (report.src_latest_step, report.dst_latest_step, report.lag_steps) == (STEPS, STEPS, 0)
     assert [r.dst for r in report.ranks] == [f"{tmp_path / 'dst'}/ranks/{r:05d}" for r in range(WORLD)]
     assert report.objects_copied == sum(r.objects_copied for r in report.ranks) > 0
     assert progress and progress[-1] == ("bytes", report.bytes_copied, report.bytes_copied)
     assert all(b[1] <= b[2] == report.bytes_copied for b in progress)
-    assert_replica(tmp_path / "dst", chain, truth)
-    assert files(tmp_path / "dst") == files(chain)  # nothing else either (no garbage, no temporaries)
+    assert_replica(tmp_path / "dst", fsdp_chain, truth)
+    assert files(tmp_path / "dst") == files(fsdp_chain)  # nothing else either (no garbage, no temporaries)
     assert [s for _, s, _ in watch_commits] == [c.step for c in commits]
     assert_held_first(watch_commits)
-    assert files(chain) == before  # the source is only read
+    assert files(fsdp_chain) == before  # the source is only read
     data = report.to_dict()
     assert data["sharded"] and data["rank_records_copied"] == report.rank_records_copied
     assert [r["records_copied"] for r in data["ranks"]] == [r.records_copied for r in report.ranks]
 
-    again = ldformat.sync(chain, tmp_path / "dst")
+    again = ldformat.sync(fsdp_chain, tmp_path / "dst")
     assert (again.records_copied, again.rank_records_copied, again.objects_copied, again.bytes_copied) == (0, 0, 0, 0)
     assert again.up_to_date and not again.created and again.lag_steps == 0
-    assert files(tmp_path / "dst") == files(chain)
+    assert files(tmp_path / "dst") == files(fsdp_chain)
     invoke("validate", tmp_path / "dst")
 
 
-def test_ldtools_sync_and_validate(chain: Path, tmp_path: Path) -> None:
-    line = invoke("sync", chain, tmp_path / "dst").stdout.strip()
-    commits = len(list((chain / "commits").glob("*.json")))
+def test_ldtools_sync_and_validate(fsdp_chain: Path, tmp_path: Path) -> None:
+    line = invoke("sync", fsdp_chain, tmp_path / "dst").stdout.strip()
+    commits = len(list((fsdp_chain / "commits").glob("*.json")))
     assert line.startswith(f"synced {commits} ") and "up to date" in line, line
     assert f"{tmp_path / 'dst'} at step {STEPS}" in line
     invoke("validate", tmp_path / "dst")
     assert "(sharded" in invoke("info", tmp_path / "dst").stdout
-    data = json.loads(invoke("sync", chain, tmp_path / "dst", "--json").stdout)
+    data = json.loads(invoke("sync", fsdp_chain, tmp_path / "dst", "--json").stdout)
     assert (data["records_copied"], data["rank_records_copied"], data["sharded"], data["up_to_date"]) == (
         0, 0, True, True)
     assert len(data["ranks"]) == WORLD
     # One rank chain copied out on its own is an ordinary chain.
-    invoke("sync", chain / "ranks" / "00001", tmp_path / "rank1")
-    assert ldformat.ChainReader(tmp_path / "rank1").steps == sharded(chain).ranks[1].steps
+    invoke("sync", fsdp_chain / "ranks" / "00001", tmp_path / "rank1")
+    assert ldformat.ChainReader(tmp_path / "rank1").steps == sharded(fsdp_chain).ranks[1].steps
 
 
 KEEP = 3  # commit records of the earlier state of the chain
 
 
 @pytest.fixture(scope="module")
-def early(chain: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def early(fsdp_chain: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The chain as it was after its third commit record (its later records removed)."""
     early = tmp_path_factory.mktemp("early") / "chain"
-    shutil.copytree(chain, early)
-    commits = read_commits(LocalStore(chain), str(chain))
+    shutil.copytree(fsdp_chain, early)
+    commits = read_commits(LocalStore(fsdp_chain), str(fsdp_chain))
     for c in commits[KEEP:]:
         (early / commit_path(c.seq)).unlink()
     for r in range(WORLD):
@@ -393,22 +355,22 @@ def early(chain: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return early
 
 
-def test_incremental_from_an_earlier_state(chain: Path, early: Path, truth: dict[int, dict[str, Any]],
+def test_incremental_from_an_earlier_state(fsdp_chain: Path, early: Path, truth: dict[int, dict[str, Any]],
                                            tmp_path: Path) -> None:
     """The earlier state of the chain, then the whole: the second sync copies only the later
     records and the objects they reference."""
-    commits = read_commits(LocalStore(chain), str(chain))
+    commits = read_commits(LocalStore(fsdp_chain), str(fsdp_chain))
     keep = KEEP
     first = ldformat.sync(early, tmp_path / "dst")
     assert first.records_copied == keep and first.up_to_date
     assert_replica(tmp_path / "dst", early, truth)
-    second = ldformat.sync(chain, tmp_path / "dst")
+    second = ldformat.sync(fsdp_chain, tmp_path / "dst")
     assert second.records_copied == len(commits) - keep and not second.created and second.up_to_date
     assert 0 < second.bytes_copied < first.bytes_copied + second.bytes_copied
     shutil.rmtree(tmp_path / "whole", ignore_errors=True)
-    whole = ldformat.sync(chain, tmp_path / "whole")
+    whole = ldformat.sync(fsdp_chain, tmp_path / "whole")
     assert second.objects_copied + first.objects_copied >= whole.objects_copied > second.objects_copied
-    assert_replica(tmp_path / "dst", chain, truth)
+    assert_replica(tmp_path / "dst", fsdp_chain, truth)
 
 
 @pytest.mark.parametrize("name", ["sharded.state.xor", "sharded.grad.dense", "sharded.grad.topk"])
@@ -448,14 +410,15 @@ def _interrupt(chain: Path, truth: dict[int, dict[str, Any]], tmp_path: Path,
     return status, failed
 
 
-def test_interrupted_at_object_writes_resumes(chain: Path, truth: dict[int, dict[str, Any]], tmp_path: Path) -> None:
-    total = ldformat.sync(chain, MemoryStore()).objects_copied
+def test_interrupted_at_object_writes_resumes(fsdp_chain: Path, truth: dict[int, dict[str, Any]],
+                                              tmp_path: Path) -> None:
+    total = ldformat.sync(fsdp_chain, MemoryStore()).objects_copied
     statuses = set()
     for n in sorted({*range(0, total, 6), total - 1, total}):
         def arm(dst: FaultyStore, n: int = n) -> None:
             dst.fail(WRITES, errno.ENOSPC, after=n, torn=0.5)  # the disk fills up after n objects
 
-        status, failed = _interrupt(chain, truth, tmp_path, arm)
+        status, failed = _interrupt(fsdp_chain, truth, tmp_path, arm)
         assert failed == (n < total), n
         statuses.add(status)
     assert statuses == {"unfinished", "valid"}
@@ -465,17 +428,17 @@ def test_interrupted_at_object_writes_resumes(chain: Path, truth: dict[int, dict
     ("create_exclusive", "ranks/*/log/*", "before"), ("create_exclusive", "ranks/*/log/*", "after"),
     ("create_exclusive", "commits/*", "before"), ("create_exclusive", "commits/*", "after"),
     ("create_exclusive", SHARDED_ROOT, "before"), ("sync", "*", "before")])
-def test_interrupted_at_records_and_syncs_resumes(chain: Path, truth: dict[int, dict[str, Any]], tmp_path: Path,
+def test_interrupted_at_records_and_syncs_resumes(fsdp_chain: Path, truth: dict[int, dict[str, Any]], tmp_path: Path,
                                                   op: Any, path: str, when: Any) -> None:
-    counts = {"ranks/*/log/*": sum(len(list((chain / "ranks" / f"{r:05d}" / "log").glob("*.json")))
+    counts = {"ranks/*/log/*": sum(len(list((fsdp_chain / "ranks" / f"{r:05d}" / "log").glob("*.json")))
                                    for r in range(WORLD)),
-              "commits/*": len(list((chain / "commits").glob("*.json"))), SHARDED_ROOT: 1, "*": 12}
+              "commits/*": len(list((fsdp_chain / "commits").glob("*.json"))), SHARDED_ROOT: 1, "*": 12}
     statuses = set()
     for k in range(counts[path]):
         def arm(dst: FaultyStore, k: int = k) -> None:
             dst.fail(op, path=path, after=k, when=when)
 
-        status, failed = _interrupt(chain, truth, tmp_path, arm)
+        status, failed = _interrupt(fsdp_chain, truth, tmp_path, arm)
         assert failed, (op, path, when, k)
         statuses.add(status)
     if path == "commits/*":
@@ -486,14 +449,14 @@ def test_interrupted_at_records_and_syncs_resumes(chain: Path, truth: dict[int, 
 
 @pytest.mark.parametrize(("op", "path"), [(WRITES, "*"), ("create_exclusive", "ranks/*/log/*"),
                                         ("create_exclusive", "commits/*"), ("sync", "*")])
-def test_interrupted_incremental_sync_stays_valid(chain: Path, early: Path, truth: dict[int, dict[str, Any]],
+def test_interrupted_incremental_sync_stays_valid(fsdp_chain: Path, early: Path, truth: dict[int, dict[str, Any]],
                                                   tmp_path: Path, op: Any, path: str) -> None:
     """A replica of the earlier state, interrupted while it catches up: valid at every point."""
     for k in range(0, 30, 3):
         def arm(dst: FaultyStore, k: int = k) -> None:
             dst.fail(op, path=path, after=k, when="before")
 
-        status, failed = _interrupt(chain, truth, tmp_path, arm, early=early)
+        status, failed = _interrupt(fsdp_chain, truth, tmp_path, arm, early=early)
         assert status == "valid", (op, path, k)
         if not failed:
             break
@@ -530,9 +493,9 @@ def test_records_wait_until_every_rank_chain_holds_the_step(
 
 
 # -- refusals ------------------------------------------------------------------------------------------
-def test_diverged_replica_is_refused(chain: Path, tmp_path: Path) -> None:
+def test_diverged_replica_is_refused(fsdp_chain: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    ldformat.sync(chain, dst)
+    ldformat.sync(fsdp_chain, dst)
     commits = read_commits(LocalStore(dst), str(dst))
     # The newest commit record rewritten (another time): same number, other bytes.
     import dataclasses
@@ -541,44 +504,44 @@ def test_diverged_replica_is_refused(chain: Path, tmp_path: Path) -> None:
     (dst / commit_path(other.seq)).write_bytes(other.to_bytes())
     before = files(dst)
     with pytest.raises(ReplicaDivergedError, match="diverged"):
-        ldformat.sync(chain, dst)
+        ldformat.sync(fsdp_chain, dst)
     assert files(dst) == before
-    line = invoke("sync", chain, dst, code=1).stderr
+    line = invoke("sync", fsdp_chain, dst, code=1).stderr
     assert "diverged" in line and "Traceback" not in line
     # One more record than the source.
     shutil.rmtree(dst)
-    ldformat.sync(chain, dst)
+    ldformat.sync(fsdp_chain, dst)
     create_commit(LocalStore(dst), str(dst), STEPS, newest_commit(LocalStore(dst), str(dst)))
     before = files(dst)
     with pytest.raises(ReplicaDivergedError, match="commit records"):
-        ldformat.sync(chain, dst)
+        ldformat.sync(fsdp_chain, dst)
     assert files(dst) == before
     # A rank chain written to directly: its newest record differs.
     shutil.rmtree(dst)
-    ldformat.sync(chain, dst)
+    ldformat.sync(fsdp_chain, dst)
     log = sorted((dst / "ranks" / "00001" / "log").glob("*.json"))[-1]
     record = Record.from_bytes(log.read_bytes(), str(log))
     log.write_bytes(dataclasses.replace(record, reason="written here", checksum="").to_bytes())
     before = files(dst)
     with pytest.raises(ReplicaDivergedError, match="ranks/00001"):
-        ldformat.sync(chain, dst)
+        ldformat.sync(fsdp_chain, dst)
     assert files(dst) == before
 
 
-def test_other_chains_are_refused(chain: Path, tmp_path: Path) -> None:
+def test_other_chains_are_refused(fsdp_chain: Path, tmp_path: Path) -> None:
     # Another sharded chain (another chain id).
     other = tmp_path / "other"
     shutil.copytree(GOLDEN / "sharded.state.xor" / "chain", other)
     before = files(other)
     with pytest.raises(ReplicaDivergedError, match="holds sharded chain"):
-        ldformat.sync(chain, other)
+        ldformat.sync(fsdp_chain, other)
     assert files(other) == before
     # An ordinary chain into a sharded one, and back.
     plain = tmp_path / "plain"
-    ldformat.sync(chain / "ranks" / "00000", plain)
+    ldformat.sync(fsdp_chain / "ranks" / "00000", plain)
     with pytest.raises(UsageError, match="holds an ordinary chain") as e:
-        ldformat.sync(chain, plain)
-    assert str(chain) in str(e.value)
+        ldformat.sync(fsdp_chain, plain)
+    assert str(fsdp_chain) in str(e.value)
     with pytest.raises(UsageError, match="holds a sharded chain") as e:
         ldformat.sync(plain, other)
     assert str(plain) in str(e.value)
@@ -586,7 +549,7 @@ def test_other_chains_are_refused(chain: Path, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="holds a sharded chain"):
         ldformat.sync(plain, LocalStore(other))
     # One rank chain of a sharded chain as the destination, whatever the source.
-    for src in (plain, chain):
+    for src in (plain, fsdp_chain):
         line = invoke("sync", src, other / "ranks" / "00001", code=2).stderr
         assert "one rank's chain of a sharded chain" in line, line
     assert files(other) == before
@@ -594,24 +557,24 @@ def test_other_chains_are_refused(chain: Path, tmp_path: Path) -> None:
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="not empty"):
-        ldformat.sync(chain, tmp_path / "junk")
+        ldformat.sync(fsdp_chain, tmp_path / "junk")
     assert sorted(p.name for p in (tmp_path / "junk").iterdir()) == ["notes.txt"]
     with pytest.raises(UsageError, match="is the source"):
-        ldformat.sync(chain, str(chain) + "/")
+        ldformat.sync(fsdp_chain, str(fsdp_chain) + "/")
 
 
-def test_a_live_writer_on_a_rank_chain_of_the_replica_is_refused(chain: Path, tmp_path: Path) -> None:
+def test_a_live_writer_on_a_rank_chain_of_the_replica_is_refused(fsdp_chain: Path, tmp_path: Path) -> None:
     dst = tmp_path / "dst"
-    ldformat.sync(chain, dst)
+    ldformat.sync(fsdp_chain, dst)
     lock = WriterLock.acquire(LocalStore(dst / "ranks" / "00001"), "rank 1")  # this process: alive
     try:
         before = files(dst)
         with pytest.raises(ChainLockedError, match="rank 1's chain of the replica"):
-            ldformat.sync(chain, dst)
+            ldformat.sync(fsdp_chain, dst)
         assert files(dst) == before
     finally:
         lock.release()
-    assert ldformat.sync(chain, dst).up_to_date  # rank 0's lock was released too
+    assert ldformat.sync(fsdp_chain, dst).up_to_date  # rank 0's lock was released too
 
 
 # -- truncation and rewinds, with chains written in this process -------------------------------------
@@ -679,7 +642,7 @@ class Sharded:
 
     def rewind(self, after: int) -> None:
         """Truncate after ``after`` (ldformat's own sharded truncation) and reopen the writers."""
-        from ldformat.sharded_maintenance import truncate_sharded
+        from ldformat.sharded.maintenance import truncate_sharded
 
         for w in self.writers:
             assert w is not None

@@ -12,7 +12,8 @@ import torch
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
 import ldformat
-from ldformat import ChainReader, ChainWriter, replicate
+from ldformat import ChainReader, ChainWriter
+from ldformat.chain import replicate
 from ldformat.stores import LocalStore
 
 

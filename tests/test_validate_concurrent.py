@@ -21,11 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from models import TinyNet, train_step
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, LocalStore
+
+pytestmark = pytest.mark.procs
 
 RUNS = 60  # validate runs overlapping the maintainer, per kind (120 in all)
 TIME_LIMIT_S = 60.0  # a bound on a loaded machine; it normally takes a few seconds

@@ -29,8 +29,8 @@ from record_edit import edit_records, record_paths
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, CorruptChainError, LdformatError
-from ldformat.anchor import decode_anchor, encode_anchor
-from ldformat.jsonvalue import object_checksum, with_checksum
+from ldformat.format.anchor import decode_anchor, encode_anchor
+from ldformat.format.checksum import object_checksum, with_checksum
 
 STEPS = 6
 ANCHOR_EVERY = 3  # anchors 0, 3, 6

@@ -11,11 +11,13 @@ import pytest
 import torch
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
-from ldformat import ChainReader, ChainWriter, TopK, compact, truncate, validate
+from ldformat import ChainReader, ChainWriter, TopK, truncate
+from ldformat.chain import maintenance as compact
+from ldformat.chain import validate
+from ldformat.chain.records import log_sequence_numbers, read_log
+from ldformat.chain.writer import SnapshotPolicy
 from ldformat.errors import WriterIOError
-from ldformat.log import log_sequence_numbers, read_log
 from ldformat.stores import Fault, FaultyStore, LocalStore
-from ldformat.writer import SnapshotPolicy
 
 # Small enough that a few steps make a snapshot due.
 EAGER = SnapshotPolicy(ratio=0.5, min_bytes=0, min_records=3)

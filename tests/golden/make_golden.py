@@ -52,8 +52,8 @@ import torch
 from torch import nn
 
 import ldformat
-from ldformat.jsonvalue import canonical, encode
-from ldformat.writer import SnapshotPolicy
+from ldformat.chain.writer import SnapshotPolicy
+from ldformat.format.jsonvalue import canonical, encode
 
 VOCAB = 16
 WIDTH = 8

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import ldformat
-from ldformat.log import current_lock
+from ldformat.chain.lock import current_lock
 from ldformat.stores import LocalStore
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

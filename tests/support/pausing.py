@@ -48,9 +48,9 @@ import torch
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, LockLostError, ReplicaDivergedError
+from ldformat.chain.writer import SnapshotPolicy
 from ldformat.errors import ChainLockedError
 from ldformat.stores import LocalStore, MemoryStore, Store
-from ldformat.writer import SnapshotPolicy
 
 #: No pause outlives this, and no thread is waited for longer: a failing test never hangs.
 PAUSE_LIMIT_S = 120.0
@@ -422,7 +422,7 @@ def open_writer(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimi
         return ChainWriter.open(path, model, optimizer, store=store, **kw)
     if "lease_s" in inspect.signature(ChainWriter.open).parameters:
         return ChainWriter.open(path, model, optimizer, store=store, **{**kw, "lease_s": lease_s})
-    from ldformat.log import WriterLock
+    from ldformat.chain.lock import WriterLock
 
     lock = WriterLock.acquire(store, path, break_lock=kw.pop("break_lock", False),
                               wait_s=kw.pop("lock_wait", 0.0), lease_s=lease_s)

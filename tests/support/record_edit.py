@@ -8,7 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ldformat.jsonvalue import canonical, with_checksum
+from ldformat.format.checksum import with_checksum
+from ldformat.format.jsonvalue import canonical
 
 
 def record_paths(chain: Path) -> list[Path]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,19 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import gloo_env
 
 
 def spawn(worker: Path, world: int, outdir: Path, job: Path, timeout: float, tag: str,
           args: Sequence[str] = ()) -> tuple[list[int | None], str]:
     """One launch of ``world`` workers; as soon as one fails (or the time is up) kill the others.
     Returns the exit codes (None for each, when the time ran out) and the tail of every log."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
+    env = gloo_env()
     logs = [outdir / f"{tag}.rank{rank}.log" for rank in range(world)]
     procs: list[subprocess.Popen[bytes]] = []
     timed_out = False

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from ports import free_port
 
 #: Azurite's fixed development account (public, documented by Microsoft).
 ACCOUNT = "devstoreaccount1"
@@ -32,17 +33,11 @@ CONTAINER = "ldformat-tests"
 START_TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Azurite:
     """An ``azurite-blob`` process on a free loopback port, with its own data directory."""
 
     def __init__(self, command: str) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.mkdtemp(prefix="azurite-")
         self._proc = subprocess.Popen(

@@ -89,7 +89,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, *,
     return float(loss.detach())
 
 
-def build_grad_chain(path: Any, steps: int = 12, anchor_every: int = 10) -> Any:
+#: The CLI tests' common chain (the ``chain`` fixture of tests/conftest.py): steps and anchor interval.
+GRAD_CHAIN_STEPS = 12
+GRAD_CHAIN_ANCHOR_EVERY = 10
+
+
+def build_grad_chain(path: Any, steps: int = GRAD_CHAIN_STEPS, anchor_every: int = GRAD_CHAIN_ANCHOR_EVERY) -> Any:
     """A grad.dense chain of TinyNet + AdamW with ``steps`` steps, batches of 4 steps and an
     anchor every ``anchor_every`` steps (the CLI tests' common chain); returns ``path``."""
     from ldformat import ChainWriter

@@ -231,7 +231,7 @@ def run(spec: dict[str, Any], rank: int, world: int, out: Path, checkpoint: bool
                                    anchor_every=4, batch_steps=2, max_bytes=spec.get("max_bytes"))
         writer = getattr(ck, "writer", None)  # copy ranks write no rank chain
         if spec.get("snapshots") == "eager" and writer is not None:
-            from ldformat.writer import SnapshotPolicy
+            from ldformat.chain.writer import SnapshotPolicy
 
             # A segmented snapshot (spec §7.9) after every second record of each rank chain.
             writer.snapshot_policy = SnapshotPolicy(ratio=0.5, min_bytes=0, min_records=2)
