@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from ldformat import LocalStore
     from ldformat.format.anchor import anchor_parts, encode_anchor, write_anchor_parts
-    from ldformat.format.jsonvalue import object_checksum, object_checksum_parts
+    from ldformat.format.checksum import object_checksum, object_checksum_parts
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the small workload (about 40 MiB of state)")

@@ -196,8 +196,8 @@ def serial_parts(chain: Path, k: int, reps: int = 3) -> dict[str, float]:
     optimizer step or the state delta, one torch thread). Every part is work any reader of
     these bytes does; the sum, divided by the two-thread speedup, bounds materialize below."""
     from ldformat import ChainReader
+    from ldformat.format.checksum import object_checksum
     from ldformat.format.delta import RowDecoder
-    from ldformat.format.jsonvalue import object_checksum
 
     reader = ChainReader(chain)
     anchor_step, path = reader.state.replay_path(k)
@@ -278,10 +278,10 @@ def writer_coding(chain: Path, k: int, reps: int = 3) -> float:
 
     from ldformat import ChainReader
     from ldformat.chain.captured import CapturedTensor
+    from ldformat.chain.state_delta import row_values
     from ldformat.format.checks import Schema
     from ldformat.format.delta import tensor_bits
     from ldformat.format.predict import PREDICT
-    from ldformat.chain.state_delta import row_values
 
     reader = ChainReader(chain)
     entry, step_entry = reader.state.deltas[k]

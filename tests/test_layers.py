@@ -117,7 +117,7 @@ def test_no_import_cycles() -> None:
 
 def test_ldtools_uses_only_public_names() -> None:
     bad = []
-    for module, path in _modules("ldtools").items():
+    for path in _modules("ldtools").values():
         for line, target, names in _imports(path):
             if not target.startswith("ldformat"):
                 continue
@@ -131,7 +131,7 @@ def test_every_relative_import_resolves() -> None:
     """mypy is told to ignore missing imports (for the optional extras), so a relative import
     left pointing at a module that moved would only fail when its function runs."""
     missing = []
-    for module, path in _modules("ldformat").items():
+    for path in _modules("ldformat").values():
         for line, target, _ in _imports(path):
             parts = target.split(".")
             if parts[0] == "ldformat":

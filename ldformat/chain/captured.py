@@ -25,11 +25,8 @@ import torch
 from ..errors import UnsupportedStateError, UsageError
 from ..format.delta import SIGNED_NP, tensor_bits
 from ..format.dtensors import local
-from ..format.jsonvalue import (
-    JSON,  # re-exported: the type of a captured step's JSON parts
-    dtype_name,
-    parse_dtype,
-)
+from ..format.dtypes import dtype_name, parse_dtype
+from ..format.jsonvalue import JSON
 from ..format.manifest import Kind
 from ..format.topk import TopK
 

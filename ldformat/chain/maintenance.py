@@ -19,6 +19,7 @@ import numpy as np
 
 from ..errors import ChainError, CorruptChainError, StepNotFoundError, UsageError, WriterIOError
 from ..format.anchor import anchor_parts, write_anchor_parts
+from ..format.checksum import object_checksum_parts
 from ..format.delta import (
     MAX_COUNTS,
     BatchEncoder,
@@ -28,8 +29,8 @@ from ..format.delta import (
     encode_batch,
     tensor_bits,
 )
+from ..format.dtypes import dtype_name
 from ..format.fold import ChainState
-from ..format.jsonvalue import dtype_name, object_checksum_parts
 from ..format.manifest import (
     AnchorEntry,
     DeltaEntry,

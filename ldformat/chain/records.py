@@ -25,8 +25,9 @@ from typing import Literal
 import numpy as np
 
 from ..errors import CorruptChainError, FormatError, LockLostError, MissingObjectError, NotAChainError, WriterIOError
+from ..format.checksum import object_checksum_seed
 from ..format.fold import ChainState, SegmentReader
-from ..format.jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum_seed
+from ..format.jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES
 from ..format.manifest import ObjectRef, Record, RootMetadata, Segment, SegmentRef
 from ..stores import ObjectTooLargeError, Store
 

@@ -16,8 +16,9 @@ import secrets
 from collections.abc import Iterable, Sequence
 
 from ..errors import ChainError, WriterIOError
+from ..format.checksum import object_checksum
 from ..format.fold import ChainState, DeltaStep, restate_deltas
-from ..format.jsonvalue import canonical, object_checksum
+from ..format.jsonvalue import canonical
 from ..format.manifest import (
     SEGMENTS_VERSION,
     AnchorEntry,

@@ -30,7 +30,8 @@ import torch
 
 from ..errors import CorruptChainError, FormatError, UnsupportedStateError
 from ..stores.base import Store
-from .jsonvalue import JSON, JSONObject, canonical, object_checksum_parts, parse_json
+from .checksum import object_checksum_parts
+from .jsonvalue import JSON, JSONObject, canonical, parse_json
 
 # safetensors dtype codes of the format's dtypes (spec §5.6.4).
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

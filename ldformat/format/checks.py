@@ -29,7 +29,8 @@ from typing import TypeGuard
 import torch
 
 from ..errors import CorruptChainError, UnsupportedStateError
-from .jsonvalue import JSON, Decoded, TensorRef, decode, dtype_name
+from .dtypes import dtype_name
+from .jsonvalue import JSON, Decoded, TensorRef, decode
 from .manifest import KINDS, AnchorEntry, Kind, RootMetadata, SlotInfo, StepEntry
 from .optstate import REF_PREFIX, check_structure
 from .predict import PREDICT, moment_names, predicted_param

@@ -14,14 +14,13 @@ import binascii
 import enum
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, TypeAlias
 
-import numpy as np
 import torch
 
 from ..errors import CorruptChainError, FormatError, UnsupportedStateError
-from ..stores.crc32c import crc32c_extend, crc32c_hex
+from .dtypes import DTYPES, dtype_name
 
 JSON: TypeAlias = "None | bool | int | float | str | list[JSON] | dict[str, JSON]"
 """A JSON value: what :func:`parse_json` returns and :func:`encode` makes (spec §6).
@@ -49,43 +48,6 @@ MAX_ZARR_JSON_BYTES = 1 << 20  # zarr.json of a batch group or array (spec §10.
 MAX_JSON_DEPTH = 64  # arrays and objects nested in each other, the outermost counting 1
 MAX_INT_CHARS = 20  # "-9223372036854775808"
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-
-_DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    # format 1.2
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "complex64": torch.complex64,
-}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The spec's name of a torch dtype; raises UnsupportedStateError for others."""
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise UnsupportedStateError(f"dtype {dtype} is not supported by format 1.x") from None
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except (KeyError, TypeError):
-        raise CorruptChainError(f"unknown dtype {name!r} in chain metadata") from None
-
 
 class TensorRef:
     """A ``$ref`` value (spec §6.1, §8.2): the stored tensor named ``name`` goes here."""
@@ -235,9 +197,9 @@ def _decode_tensor(inner: JSON, where: str) -> torch.Tensor:
         raise CorruptChainError(f"{where}: a $tensor value holds {len(raw)} bytes of data, more than the "
                                 f"{MAX_INLINE_TENSOR_BYTES} of spec §21.4")
     name = inner["dtype"]
-    if not isinstance(name, str) or name not in _DTYPES:
+    if not isinstance(name, str) or name not in DTYPES:
         raise _bad(where, "$tensor", f"unknown dtype {name!r}")
-    dtype = _DTYPES[name]
+    dtype = DTYPES[name]
     shape = inner["shape"]
     dims = [d for d in shape if isinstance(d, int) and not isinstance(d, bool) and d >= 0] \
         if isinstance(shape, list) else []
@@ -258,9 +220,9 @@ def _decode_tensor(inner: JSON, where: str) -> torch.Tensor:
 
 
 def _decode_dtype(inner: JSON, where: str) -> torch.dtype:
-    if not isinstance(inner, str) or inner not in _DTYPES:
+    if not isinstance(inner, str) or inner not in DTYPES:
         raise _bad(where, "$dtype", f"unknown dtype {inner!r}")
-    return _DTYPES[inner]
+    return DTYPES[inner]
 
 
 def _decode_ref(inner: JSON, where: str) -> TensorRef:
@@ -403,41 +365,3 @@ def parse_json(data: bytes | bytearray | memoryview, where: str, *, max_bytes: i
 def canonical(obj: JSON) -> bytes:
     """The canonical bytes of a JSON document: sorted keys, no spaces, ASCII."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
-def object_checksum(path: str, data: bytes | bytearray | memoryview | np.ndarray) -> str:
-    """crc32c of the object's chain-relative path (UTF-8) followed by its bytes.
-
-    Seeding with the path matters: a Zarr chunk ends with its own crc32c, and the crc32c of
-    any message followed by its own crc32c is a constant, so an unseeded checksum would be
-    the same for every intact chunk. Seeded, it still depends only on the path and size for
-    an intact chunk (spec §21.5): it catches damage and objects moved between paths, while
-    the chunk's own crc32c vouches for its content.
-    """
-    return object_checksum_parts(path, (data,))
-
-
-def object_checksum_seed(path: str) -> int:
-    """The crc32c an object's checksum continues from: that of its path (:func:`object_checksum`)."""
-    return crc32c_extend(0, path.encode())
-
-
-def object_checksum_parts(path: str, parts: Iterable[bytes | bytearray | memoryview | np.ndarray]) -> str:
-    """:func:`object_checksum` of the object made of ``parts`` back to back, without joining them."""
-    crc = object_checksum_seed(path)
-    for part in parts:
-        crc = crc32c_extend(crc, part)
-    return f"{crc:08x}"
-
-
-def with_checksum(doc: Mapping[str, JSON]) -> JSONObject:
-    """Return ``doc`` with its ``checksum`` field set (crc32c of the canonical form without it)."""
-    body = {k: v for k, v in doc.items() if k != "checksum"}
-    return {**body, "checksum": crc32c_hex(canonical(body))}
-
-
-def verify_checksum(doc: Mapping[str, JSON], where: str) -> None:
-    body = {k: v for k, v in doc.items() if k != "checksum"}
-    expected = crc32c_hex(canonical(body))
-    if doc.get("checksum") != expected:
-        raise CorruptChainError(f"{where}: checksum mismatch (the file was modified or damaged)")

@@ -28,7 +28,8 @@ import torch
 
 from ..errors import CorruptChainError, UnsupportedStateError
 from .dtensors import local
-from .jsonvalue import JSON, Decoded, TensorRef, decode, dtype_name, encode
+from .dtypes import dtype_name
+from .jsonvalue import JSON, Decoded, TensorRef, decode, encode
 
 REF_PREFIX = "optimizer/ref/"
 _MEMBERS = ("state", "top", "absent")

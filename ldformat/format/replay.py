@@ -44,7 +44,8 @@ from .delta import (
     state_delta_tensor,
     undifference,
 )
-from .jsonvalue import JSON, dtype_name, parse_dtype
+from .dtypes import dtype_name, parse_dtype
+from .jsonvalue import JSON
 from .manifest import RootMetadata, SlotInfo, StepEntry
 from .optstate import REF_PREFIX, join_state, live_optimizer_state
 from .predict import PREDICT, moment_names, predict_parameter, predict_second_moment, predicted_param

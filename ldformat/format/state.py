@@ -21,7 +21,8 @@ import torch
 
 from ..errors import UnsupportedStateError, UsageError
 from .dtensors import local
-from .jsonvalue import JSON, Decoded, dtype_name, encode
+from .dtypes import dtype_name
+from .jsonvalue import JSON, Decoded, encode
 
 Role = Literal["parameter", "buffer"]
 """The role of a ``schema.model`` entry (spec §5.6.1)."""

@@ -60,7 +60,7 @@ def assemble(layout: Layout, pieces: Mapping[int, torch.Tensor], where: str,
     shards overlap (replicated placements) the first listed wins, and validation compares the
     copies (spec §20.4). ``out``: a tensor of the block's shape and dtype to write it into
     (a new one otherwise)."""
-    from ..format.jsonvalue import parse_dtype
+    from ..format.dtypes import parse_dtype
 
     dtype = parse_dtype(layout.dtype)
     offsets, lengths = (tuple(0 for _ in layout.shape), layout.shape) if region is None else region
