@@ -40,7 +40,6 @@ MOVED: dict[str, str] = {
     "validate": "chain.validate",
     "replicate": "chain.replicate",
     "shards": "sharded.layout",
-    "sharded": "sharded.chain",
     "sharded_maintenance": "sharded.maintenance",
     "replicate_sharded": "sharded.replicate",
     "history": "export.history",

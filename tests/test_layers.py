@@ -148,3 +148,35 @@ def test_an_upward_import_inside_a_function_is_seen() -> None:
     (node,) = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert node.level == 2 and node.module == "chain.writer"
     assert _layer("ldformat.chain.writer") > _layer("ldformat.stores.base")  # type: ignore[operator]
+
+
+def test_old_module_paths_import_the_moved_modules() -> None:
+    """Every module path of earlier releases still imports: the module at its new path, the
+    same object, with a DeprecationWarning that names it."""
+    import importlib
+    import sys
+    import warnings
+
+    from ldformat._moved import MOVED
+
+    for old, new in MOVED.items():
+        sys.modules.pop(f"ldformat.{old}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(f"ldformat.{old}")
+        assert module is importlib.import_module(f"ldformat.{new}"), old
+        assert any(issubclass(w.category, DeprecationWarning) and f"ldformat.{new}" in str(w.message)
+                   for w in caught), old
+    # A public function that shares its name with an old module keeps its name on the package.
+    assert callable(ldformat.compact) and callable(ldformat.validate)
+    # ``ldformat.sharded`` was a module and is a package now: its old names still resolve.
+    from ldformat.chain.sharded_probe import is_sharded
+    from ldformat.sharded.chain import ShardedReader
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from ldformat.sharded import ShardedReader as old_reader
+        from ldformat.sharded import is_sharded as old_is_sharded
+    assert (old_reader, old_is_sharded) == (ShardedReader, is_sharded)
+    warned = {str(w.message).split()[0] for w in caught if issubclass(w.category, DeprecationWarning)}
+    assert warned == {"ldformat.sharded.ShardedReader", "ldformat.sharded.is_sharded"}
