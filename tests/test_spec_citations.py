@@ -1,8 +1,8 @@
 """Every ``§N.M`` cited in code and docs names a heading of the spec, with the right title.
 
 The spec is a core, ``spec/ldformat.md``, and companion documents that share its numbering
-(``sharded.md``, ``capture-extra.md``, ``rationale.md``): every section number is a heading
-in exactly one of them. A citation such as ``spec §7.4 "Commit protocol"`` must resolve to a
+(``maintenance.md``, ``sharded.md``, ``capture-extra.md``, ``rationale.md``): every section
+number is a heading in exactly one of them. A citation such as ``spec §7.4 "Commit protocol"`` must resolve to a
 heading ``7.4`` of one of these files; when a quoted title follows, it must be that heading's
 title (or the title of a child section, for citations like ``§10 "Deltas"``). Within every
 spec file, ``section N.M`` references must resolve too. The core stays short.
@@ -16,8 +16,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SPEC_DIR = ROOT / "spec"
 CORE = SPEC_DIR / "ldformat.md"
-SPEC_FILES = [CORE, SPEC_DIR / "sharded.md", SPEC_DIR / "capture-extra.md", SPEC_DIR / "rationale.md"]
-CORE_MAX_LINES = 2600  # the brief asked for 2,000: see the comment of test_the_core_stays_short
+SPEC_FILES = [
+    CORE,
+    SPEC_DIR / "maintenance.md",
+    SPEC_DIR / "sharded.md",
+    SPEC_DIR / "capture-extra.md",
+    SPEC_DIR / "rationale.md",
+]
+CORE_MAX_LINES = 2200  # the brief asked for 2,000: see the comment of test_the_core_stays_short
 CITATION = re.compile(r"§\s?(\d+(?:\.\d+)*)(?:,?\s+\"([^\"]+)\")?")
 SECTION_REF = re.compile(r"\bsections?\s+(\d+(?:\.\d+)*)")
 HEADING = re.compile(r"^#{2,4}\s+(\d+(?:\.\d+)*)\.?\s+(.*?)\s*$")
@@ -82,11 +88,13 @@ def test_every_heading_number_is_in_one_spec_file() -> None:
 
 
 def test_the_core_stays_short() -> None:
-    # The target is 2,000 lines. The split moved every section that is an extension (19, 20)
-    # or explanation (arguments, examples, history, remarks on the reference implementation)
-    # out of the core; what is left, about 2,550 lines, is the normative text of ordinary
-    # chains. Getting under 2,000 needs a decision on which normative part becomes another
-    # extension (maintenance: sections 16 to 18, say); until then this bound stops growth.
+    # The target is 2,000 lines. The splits moved every extension (16 to 18 to maintenance.md,
+    # 19, 20) and explanation (arguments, examples, the checksum test vectors, history, remarks
+    # on the reference implementation) out of the core, and some repetitions were cut. What is
+    # left, about 2,200 lines, is the normative text of reading and writing ordinary chains,
+    # which stays in the core, and the test vectors of sections 11.3 and 11.3.1, which tests
+    # read from it. Under 2,000 needs a rule-by-rule tightening of that text (no rule dropped
+    # or weakened); until then this bound stops growth.
     lines = len(CORE.read_text(encoding="utf-8").splitlines())
     assert lines < CORE_MAX_LINES, (
         f"spec/ldformat.md has {lines} lines; the core stays under {CORE_MAX_LINES}: move explanation "
