@@ -1,22 +1,29 @@
-"""Fixtures shared by the whole suite, and the import path of the helper modules.
+"""Fixtures shared by the whole suite, the markers, and the import path of the helper modules.
 
-The helper modules and worker scripts live in ``tests/support/`` and are imported by their
-plain names (``import s3server``, ``from models import TinyNet``); a worker script started by
-path finds its siblings through its own directory. Plain helpers that fixtures, retry loops and
-other helpers call too are functions there, not fixtures: ``ports.free_port`` /
+Layout: one folder per concept of the library (format/, chain/, sharded/, stores/, capture/,
+cli/, integrations/), each test module named for what it checks (basenames are unique across
+folders: pytest imports them by basename); golden/ holds the reference chains the spec names;
+support/ holds the helper modules and the worker scripts that tests start by path. A folder's
+conftest.py holds the fixtures only its tests use (cli/: the common grad.dense chain;
+sharded/: the FSDP2 chain).
+
+The helper modules are imported by their plain names (``import s3server``,
+``from models import TinyNet``): support/ is put on ``sys.path`` below, and a worker script
+started by path finds its siblings through its own directory. Plain helpers that fixtures,
+retry loops and other helpers call too are functions there, not fixtures: ``ports.free_port`` /
 ``ports.gloo_env``, ``clirun.invoke`` (``ldtools`` in this process through click's
-``CliRunner``) and ``clirun.ldtools_cmd`` / ``clirun.child_env`` (``ldtools`` as a process).
+``CliRunner``), ``clirun.ldtools_cmd`` / ``clirun.child_env`` (``ldtools`` as a process) and
+``paths`` (REPO, TESTS, SUPPORT, GOLDEN).
 
 Markers (registered in pyproject.toml): ``procs`` (the test starts OS processes), ``server``
-(it starts moto_server or Azurite), ``slow`` (soak and race runs, deselected by default).
+(it starts moto_server or Azurite), ``slow`` (soak and race runs, deselected by default). A
+fast loop: ``python -m pytest -q -m "not slow and not procs and not server"``.
 """
 
-import shutil
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 import pytest  # noqa: E402  (after the path set-up above)
@@ -66,37 +73,3 @@ def close_leftover_checkpointers():  # type: ignore[no-untyped-def]
             ck.close()
         except Exception:
             pass
-
-
-# -- the CLI tests' common chain ----------------------------------------------------------------
-@pytest.fixture(scope="session")
-def grad_chain_pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 12-step grad.dense chain of TinyNet + AdamW (anchors at 0 and 10, batches of 4 steps),
-    made once per session. Never modified: tests that change a chain take ``chain``."""
-    from models import build_grad_chain
-
-    return Path(build_grad_chain(tmp_path_factory.mktemp("grad-chain") / "chain"))
-
-
-@pytest.fixture
-def chain(grad_chain_pristine: Path, tmp_path: Path) -> Path:
-    """A private copy of the 12-step grad.dense chain (anchors at 0 and 10, batches of 4 steps)."""
-    return Path(shutil.copytree(grad_chain_pristine, tmp_path / "chain"))
-
-
-# -- the sharded tests' common chain ------------------------------------------------------------
-@pytest.fixture(scope="session")
-def fsdp_chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A world-2 FSDP2 xor chain of 7 steps (anchors every 3 steps, batches of 2), made once per
-    session by ``sharded_chain_maker.py``. Read only: copy it to change it."""
-    from make_sharded import FSDP_STEPS, FSDP_WORLD, finish, run_maker
-    from ports import gloo_env
-
-    out = tmp_path_factory.mktemp("fsdp-chain")
-    env = gloo_env()
-    finish([run_maker(["make", str(r), str(FSDP_WORLD), str(out), str(FSDP_STEPS)], env)
-            for r in range(FSDP_WORLD)])
-    import ldformat
-
-    assert ldformat.open_reader(out / "chain").steps == list(range(FSDP_STEPS + 1))
-    return out / "chain"

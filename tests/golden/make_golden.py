@@ -28,7 +28,7 @@ format version: add a new version directory instead.
 The gradient chains use SGD with power-of-two learning rates and momentum, so that every
 operation of the replayed optimizer step is correctly rounded: replay is then bit-exact on
 every CPU and torch build, which a golden file that later readers must match requires.
-(Adam replay is exact only in the recording environment; tests/test_exactness.py covers it
+(Adam replay is exact only in the recording environment; tests/capture/test_exactness.py covers it
 against live training.) The ``state.xor`` chain uses Adam: its replay is exact everywhere (from
 format 1.6 on its ``v`` and ``w`` are coded by Adam prediction, spec §11.3.1, and its merged
 deltas are differences of replayed states).

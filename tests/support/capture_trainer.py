@@ -1,4 +1,4 @@
-"""Helper process for tests/test_capture.py: training loops driven by ``ldformat.Checkpointer``.
+"""Helper process for tests/capture/test_capture.py: training loops driven by ``ldformat.Checkpointer``.
 
 Run as ``python capture_trainer.py WORKDIR KILLS`` with ``KILLS`` a JSON object
 ``{mode: kill_at}``. The process imports torch once, warms it up, and forks every run from
@@ -26,7 +26,7 @@ dies of an uncaught exception. Both must still commit every step (the Checkpoint
 ``atexit`` handler).
 
 ``WORKDIR/exits.json`` gives how every process ended. Nothing is fsynced: a killed process
-loses nothing the kernel already has (power loss is tests/test_crash.py's subject).
+loses nothing the kernel already has (power loss is tests/chain/test_crash.py's subject).
 
 Every run uses one torch thread (the bits of a step depend on the thread count), a
 :class:`~ldformat.ResumableSampler` under ``DataLoader(num_workers=0)``, a cosine LR
@@ -264,7 +264,7 @@ def _fork_exiting(work: Path, fail: bool) -> int:
 
 def main(work: Path, kills: dict[str, int]) -> None:
     # A killed process loses nothing the kernel already has: fsync only matters for power
-    # loss (tests/test_crash.py), and here it would only serialize a dozen runs on the disk.
+    # loss (tests/chain/test_crash.py), and here it would only serialize a dozen runs on the disk.
     LocalStore._fsync_fd = lambda self, fd: None  # type: ignore[method-assign]
     warm_up()
     children: dict[int, tuple[str, str]] = {}

@@ -1,4 +1,4 @@
-"""Helper process for the crash and fault tests (tests/test_crash.py, tests/test_faults.py).
+"""Helper process for the crash and fault tests (tests/chain/test_crash.py, tests/chain/test_faults.py).
 
 Run with ``sys.executable``. Two modes:
 

@@ -1,4 +1,4 @@
-"""Helper process for tests/test_data_resume.py: train with dropout, checkpoint, die, resume.
+"""Helper process for tests/integrations/test_data_resume.py: train with dropout, checkpoint, die, resume.
 
 Run with ``sys.executable`` and the ldformat under test on ``PYTHONPATH``::
 

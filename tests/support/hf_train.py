@@ -1,4 +1,4 @@
-"""Helper process for tests/test_hf_trainer.py: a Hugging Face Trainer run that may SIGKILL itself.
+"""Helper process for tests/integrations/test_hf_trainer.py: a Hugging Face Trainer run that may SIGKILL itself.
 
 Run with ``sys.executable``::
 

@@ -1,4 +1,4 @@
-"""Helper process for tests/test_lightning.py: a tiny Lightning training run, killed or not.
+"""Helper process for tests/integrations/test_lightning.py: a tiny Lightning training run, killed or not.
 
 ``python lightning_train.py CONFIG_JSON`` runs every run of the config, each in a process
 forked from this one after the imports (importing Lightning costs seconds; a fork,

@@ -1,4 +1,4 @@
-"""The optimizers of tests/test_optimizer_matrix.py: every ``torch.optim`` class, every
+"""The optimizers of tests/capture/test_optimizer_matrix.py: every ``torch.optim`` class, every
 ``pytorch_optimizer`` optimizer and every ``timm.optim`` class that runs plainly on a small
 model, and a few probe
 optimizers whose state holds each kind of value a ``state_dict`` can hold.

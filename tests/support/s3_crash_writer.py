@@ -1,4 +1,4 @@
-"""Helper process for the object store crash tests (tests/test_object_store_crash.py).
+"""Helper process for the object store crash tests (tests/stores/test_object_store_crash.py).
 
 obstore's runtime does not survive ``fork()``, so every writer is a fresh process started
 with ``subprocess`` (fork + exec). To keep a trial at the cost of its training rather than a

@@ -1,5 +1,5 @@
 """One rank of an HSDP job whose BatchNorm statistics differ between the replicas, for
-tests/test_sharded_buffers.py.
+tests/sharded/test_sharded_buffers.py.
 
 Run as ``python sharded_bn_job.py RANK WORLD OUTDIR RUN [RUN ...]`` with ``MASTER_ADDR`` and
 ``MASTER_PORT`` set (gloo on CPU). The model is FSDP2 ``fully_shard`` on a mesh

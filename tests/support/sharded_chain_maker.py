@@ -1,5 +1,5 @@
 """Makes a small FSDP2 sharded chain, and loads a DCP export of it on other meshes, for
-tests/test_cli_sharded.py.
+tests/sharded/test_cli_sharded.py.
 
 ``python sharded_chain_maker.py make RANK WORLD OUTDIR STEPS [MIRROR]``: one rank of an FSDP2
 job (gloo, CPU, MASTER_ADDR/MASTER_PORT from the environment) that trains ``STEPS`` steps with

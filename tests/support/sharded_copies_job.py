@@ -1,4 +1,4 @@
-"""One rank of an HSDP job (copy ranks, spec §20.2 ``copies``), for tests/test_sharded_copies.py.
+"""One rank of an HSDP job (copy ranks, spec §20.2 ``copies``), for tests/sharded/test_sharded_copies.py.
 
 Run as ``python sharded_copies_job.py --rank R --world W --out DIR --job JOB.json`` with
 ``MASTER_ADDR``/``MASTER_PORT`` set (gloo on CPU). The job file holds a list of runs that this

@@ -1,7 +1,7 @@
-"""One rank of a world-2 FSDP2 job that checkpoints to an object store, for tests/test_s3_sharded.py.
+"""One rank of a world-2 FSDP2 job that checkpoints to an object store, for tests/sharded/test_s3_sharded.py.
 
 ``python sharded_s3_job.py RANK WORLD URL OUTDIR STEPS``: the job of
-tests/sharded_chain_maker.py (its model, optimizer, learning-rate schedule, data and
+tests/support/sharded_chain_maker.py (its model, optimizer, learning-rate schedule, data and
 Checkpointer settings, gloo on CPU, MASTER_ADDR/MASTER_PORT from the environment), with the
 sharded chain written directly to ``URL`` (``s3://...``; the store's settings come from the
 environment). Before the first step and after every step each rank gathers the full live

@@ -1,4 +1,4 @@
-"""One rank of a sharded (FSDP2 / tensor-parallel / 2-D) training run, for tests/test_sharded.py.
+"""One rank of a sharded (FSDP2 / tensor-parallel / 2-D) training run, for tests/sharded/test_sharded.py.
 
 Run as ``python sharded_train.py --rank R --world W --out DIR --job JOB.json`` with
 ``MASTER_ADDR``/``MASTER_PORT`` set. The job file holds a list of runs that this process

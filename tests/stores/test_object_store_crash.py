@@ -38,7 +38,7 @@ import pytest
 import s3_crash_writer as scw
 from models import assert_state_bits_equal, snapshot
 from paths import REPO, SUPPORT
-from test_lock import check_race_outcome, run_race_trial
+from lock_race import check_race_outcome, run_race_trial
 
 import ldformat
 from ldformat import ChainReader, ChainWriter
@@ -210,7 +210,7 @@ def run_writer(pool: WarmPool, tmp_path: Path, url: str, kind: str, big: bool, r
     elif big:
         # Kill after the n-th large upload started, at a random moment: mostly inside it.
         # Upload 1 is the creation's anchor: a kill there leaves no chain yet (an unfinished
-        # creation, tests/test_lock.py), so the first target is upload 2.
+        # creation, tests/chain/test_lock.py), so the first target is upload 2.
         target = rng.randint(2, 1 + conf["steps"] // conf["anchor_every"])
         while len((ev := Events(events_path)).uploads) < target and not ev.done:
             progress(ev)

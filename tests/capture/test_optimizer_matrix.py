@@ -19,7 +19,7 @@ Each optimizer gets one outcome per mode:
 * ``error after start``: training, ``close()`` or ``materialize`` raised;
 * ``silent difference``: a step materializes to something else without an error (the worst).
 
-The optimizers (tests/optimizer_zoo.py): every ``torch.optim`` class in several configurations,
+The optimizers (tests/support/optimizer_zoo.py): every ``torch.optim`` class in several configurations,
 every optimizer ``pytorch_optimizer`` lists (those that fail without ldformat are skipped with
 the reason), and probes whose state holds one kind of value each. The runs are computed once
 per module (:class:`Matrix`) and shared by the per-optimizer tests and the summary tests, which

@@ -1,7 +1,7 @@
 """The exchange thread that carries every data-parallel rank's per-step state to rank 0
 (docs/capture-runtime.md, "Replicated (DDP)"): order, errors, back-pressure, close.
 
-The gathers themselves run over gloo in tests/test_ddp.py and tests/test_sharded_copies.py;
+The gathers themselves run over gloo in tests/capture/test_ddp.py and tests/sharded/test_sharded_copies.py;
 here a stand-in for :class:`~ldformat.capture.ddp.RankExtras` records what it is handed."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Chains on Azure Blob Storage (``az://``), against Azurite on loopback (tests/azurite.py):
+"""Chains on Azure Blob Storage (``az://``), against Azurite on loopback (tests/support/azurite.py):
 the store contract, bit-exact materialize of every step in every kind through the API and
 ``ldtools``, a flipped byte named by its key, and two writers of which exactly one proceeds.
 Skipped where Azurite is not installed."""

@@ -4,7 +4,7 @@ FSDP2 ``fully_shard`` on a 2-D mesh ``("replicate", "shard")`` places every para
 (Replicate(), Shard(0)): ranks 2 and 3 hold exactly ranks 0 and 1's blocks. The writer makes
 them copy ranks: ``sharded.json`` says ``"format_version": "1.4"``, ``"copies": {"2": 0, "3": 1}``,
 ranks 2 and 3 write no rank chain, and rank chain 0 records their own RNG states and data
-positions in ``extra["ranks"]``. The workers (tests/sharded_copies_job.py) gather the full live
+positions in ``extra["ranks"]``. The workers (tests/support/sharded_copies_job.py) gather the full live
 state after every step with ``get_state_dict(full_state_dict=True)`` and record each rank's
 torch RNG state, data position and local shards; the checks run here:
 
@@ -95,7 +95,7 @@ def w2_runs(src: Path) -> list[dict[str, Any]]:
     return runs
 
 
-# -- launching (tests/launching.py) ------------------------------------------------------------------
+# -- launching (tests/support/launching.py) ------------------------------------------------------------------
 class Launch(launching.Launch):
     """The outputs of one launch's runs: ``outdir/<run>.rank<R>.pt`` per run and rank (start,
     steps gathered, rng, data, local)."""

@@ -6,8 +6,8 @@ preconditioner, Kronecker factors, blocks of them) is indexed by pairs of parame
 Readers up to 1.6's bounded these slots by P and refused every step of DASH, Shampoo, SOAP
 and Kron on a model whose widest dimension squared exceeds P. The properties here run the
 writer and check what it commits with the reader's own :func:`~ldformat.delta.check_slots`;
-tests/test_optimizer_matrix.py reads such chains back whole (``*@16`` entries), and
-tests/test_limits.py keeps the bound's refusal of hostile shapes.
+tests/capture/test_optimizer_matrix.py reads such chains back whole (``*@16`` entries), and
+tests/format/test_limits.py keeps the bound's refusal of hostile shapes.
 """
 
 from __future__ import annotations

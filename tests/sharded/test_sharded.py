@@ -1,7 +1,7 @@
 """Sharded training chains: FSDP2, tensor parallel and 2-D (FSDP x TP) under gloo on CPU.
 
 Every rank of a run records the same chain with an ``ldformat.Checkpointer``; the workers
-(tests/sharded_train.py) gather the full live state after every step with
+(tests/support/sharded_train.py) gather the full live state after every step with
 ``get_state_dict(full_state_dict=True)`` and save it, and the checks run here:
 
 * ``open_reader(path).materialize(step)`` equals the gathered live state bit for bit, for every
@@ -113,7 +113,7 @@ HSDP_REOPENED = [chain_run("hsdp-xor", "hsdp", "xor", "adamw", snapshots=True),
 W1_CHAINS = [chain_run("fsdp1-xor", "fsdp", "xor", "adamw")]
 
 
-# -- launching (tests/launching.py) ------------------------------------------------------------------
+# -- launching (tests/support/launching.py) ------------------------------------------------------------------
 def launch(outdir: Path, world: int, runs: list[dict[str, Any]], timeout: float) -> Launch:
     """Run ``runs`` in order on ``world`` workers. A run that fails is recorded and skipped, and
     the workers are started again for the runs after it (a lost race for the port is retried)."""

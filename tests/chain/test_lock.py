@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import torch
 from clirun import invoke
+from lock_race import check_race_outcome, run_race_trial
 from models import TinyNet, batch
 
 import ldformat
@@ -169,38 +170,6 @@ def race_trials(race_pool: Any, tmp_path: Path, trials: int) -> None:
         outcomes[f"{n} processes"] = outcomes.get(f"{n} processes", 0) + 1
         shutil.rmtree(path)
     assert sum(outcomes.values()) == trials
-
-
-def run_race_trial(workers: list[tuple[Any, Connection]], barrier: Any, job: dict[str, Any],
-                   n: int) -> list[dict[str, Any]]:
-    """Send ``job`` to ``n`` of the 3 race workers at once; their results."""
-    for _, conn in workers[:n]:
-        conn.send(job)
-    if n < 3:  # the third party of the barrier
-        barrier.wait(timeout=60)
-    first = [conn.recv() for _, conn in workers[:n]]
-    # Every racer has now either been locked out or holds the lock; more than one holder is
-    # the defect under test. Holders then commit one step and release.
-    for (_, conn), result in zip(workers[:n], first, strict=True):
-        if result["result"] == "holding":
-            conn.send("finish")
-    return [conn.recv() if result["result"] == "holding" else result
-            for (_, conn), result in zip(workers[:n], first, strict=True)]
-
-
-def check_race_outcome(results: list[dict[str, Any]], location: str, before: list[int], store: Any,
-                       trial: int) -> dict[str, Any]:
-    """Exactly one winner, the rest locked out; the winner's step is durable, the chain valid."""
-    kinds = sorted(r["result"] for r in results)
-    assert kinds == ["locked"] * (len(results) - 1) + ["won"], f"trial {trial}: {kinds}"
-    won = next(r for r in results if r["result"] == "won")
-    reader = ChainReader(location)
-    assert reader.steps == before + [won["durable"]], f"trial {trial}: a durable step was lost"
-    report = ldformat.validate(location)
-    assert report.ok, (trial, [str(p) for p in report.problems])
-    reader.materialize(won["durable"])
-    assert current_lock(store) is None, "the winner did not release the lock"
-    return won
 
 
 @pytest.mark.procs

@@ -1,6 +1,6 @@
 """The data position and the RNG across ``kill -9``: a resumed run continues bit for bit.
 
-A helper process (tests/data_resume_train.py) trains a small model with dropout, so that the
+A helper process (tests/support/data_resume_train.py) trains a small model with dropout, so that the
 global CPU generator shapes every step, and records the sample ids of every batch. One run
 goes through uninterrupted; another makes some step durable, trains a few more steps and
 SIGKILLs itself; a third resumes that chain with ``ldformat.resume`` and finishes. The

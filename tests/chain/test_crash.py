@@ -1,6 +1,6 @@
 """Crash consistency: ``kill -9`` of the writer at any point.
 
-A writer process (tests/crash_writer.py, forked from a warm server so that a trial costs
+A writer process (tests/support/crash_writer.py, forked from a warm server so that a trial costs
 its training and not a torch import) trains TinyNet with Adam and records every step. The
 test kills it with SIGKILL at random points, or the writer kills itself inside a chosen
 fsync of the commit protocol, then checks that:

@@ -1,6 +1,6 @@
 """``materialize``, ``ldtools info`` and ``ldtools log`` overlapping a maintainer (spec §17.4).
 
-The maintainer of tests/test_validate_concurrent.py appends, truncates and compacts the chain
+The maintainer of tests/chain/test_validate_concurrent.py appends, truncates and compacts the chain
 in another process; every state it leaves is valid. A reader opened at any moment must then
 either return the whole state of the step it asked for or say that the step is no longer
 committed (a truncation removed it); it must never report a missing object, a missing record

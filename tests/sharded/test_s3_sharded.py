@@ -1,7 +1,7 @@
-"""Sharded chains on S3 (spec §20, §7.7), against ``moto_server`` on 127.0.0.1 (tests/s3server.py);
+"""Sharded chains on S3 (spec §20, §7.7), against ``moto_server`` on 127.0.0.1 (tests/support/s3server.py);
 skipped when moto, boto3 or obstore are missing.
 
-- A world-2 FSDP2 job (tests/sharded_s3_job.py) writes its sharded chain directly to
+- A world-2 FSDP2 job (tests/support/sharded_s3_job.py) writes its sharded chain directly to
   ``s3://``: every committed step read back from S3 is bit for bit the full state the job
   gathered live; ``ldtools validate`` and ``ldtools info`` read it from S3; ``ldformat.sync``
   copies it to a local directory, which reads the same.

@@ -66,7 +66,7 @@ def _one_thread(one_torch_thread: None) -> None:
 
 @pytest.fixture(autouse=True)
 def _no_fsync(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Nothing here is about power loss (tests/test_crash.py is); fsync would only cost time.
+    # Nothing here is about power loss (tests/chain/test_crash.py is); fsync would only cost time.
     monkeypatch.setattr(LocalStore, "_fsync_fd", lambda self, fd: None)
 
 
@@ -435,7 +435,7 @@ def test_each_step_fences_its_staging_copies_before_training_goes_on(tmp_path: P
     """When ``optimizer.step()`` returns, every copy into a host buffer made for that step is
     behind a fence (on CUDA: the training's stream waits for the side stream's event), so no
     kernel queued afterwards can change a tensor being copied. On the CPU the fence is a
-    no-op; this checks that the runtime places it (tests/test_cuda.py checks the effect)."""
+    no-op; this checks that the runtime places it (tests/capture/test_cuda.py checks the effect)."""
     model, opt, _ = make_objects()
     ck = ldformat.Checkpointer(tmp_path / "chain", model, opt, mode=mode, anchor_every=100, batch_steps=2,
                                topk_ratio=0.2, queue_depth=2,

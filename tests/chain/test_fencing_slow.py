@@ -1,4 +1,4 @@
-"""The exhaustive pause sweep of the fencing tests (``pytest -m slow tests/test_fencing_slow.py``).
+"""The exhaustive pause sweep of the fencing tests (``pytest -m slow tests/chain/test_fencing_slow.py``).
 
 A pauses before each store call it makes (found by a reference run of the same phase, one
 point per call: by primitive, path with its random part as ``*``, and count; the reads of a
@@ -6,7 +6,7 @@ replay and the writes of one batch count as one point) in ``ChainWriter.open`` (
 taking over a stale lock), a commit, a commit that renews a lease, a commit with writer
 snapshots, ``close``, ``compact`` (``max_replay``, and ``keep_last``) and ``truncate``. For each
 point the others take over and commit, renew their lease, compact or snapshot; then every
-check of tests/pausing.py runs (0 lost, 0 false durable, A stopped with LockLostError and
+check of tests/support/pausing.py runs (0 lost, 0 false durable, A stopped with LockLostError and
 deleted nothing newer, validate, sync).
 
 The default sweep is bounded (a few minutes on two idle cores). On memory: every point of a

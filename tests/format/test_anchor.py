@@ -365,8 +365,8 @@ def test_metadata_must_name_the_step(meta: dict[str, str]) -> None:
 
 
 def test_every_format_dtype_has_a_safetensors_code() -> None:
-    from ldformat.format.dtypes import _DTYPES
+    from ldformat.format.dtypes import DTYPES
 
-    assert set(SAFETENSORS_DTYPES.values()) == set(_DTYPES.values())
+    assert set(SAFETENSORS_DTYPES.values()) == set(DTYPES.values())
     for code, dtype in SAFETENSORS_DTYPES.items():
         assert safetensors.torch._TYPES[code] == dtype

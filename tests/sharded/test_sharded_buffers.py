@@ -4,7 +4,7 @@ validates, materializes rank 0's (as torch's full state dict does), and a resume
 layout gives every rank its own back. Copy ranks, which would record one replica for all, are
 not made for such a model; forced, rank 0 stops at the first step with a clear error.
 
-A world-2 launch and a world-4 launch (tests/sharded_bn_job.py) run every worker-side step,
+A world-2 launch and a world-4 launch (tests/support/sharded_bn_job.py) run every worker-side step,
 bounded in time. At world 4 (HSDP, mesh 2 x 2) a copy rank is compared with its own source:
 rank 3 is a copy of rank 1, whose statistics differ from rank 0's."""
 

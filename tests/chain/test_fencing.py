@@ -4,8 +4,8 @@ A writer paused at any store call (SIGSTOP, a GC pause, swapping, a VM migration
 superseded by another holder, must never delete what a newer holder wrote, never report a
 step durable that is not in the chain, and must stop with ``LockLostError``; every step any
 call reported durable stays materializable bit for bit, ``validate`` passes, and ``sync``
-reports no divergence. The pause harness is tests/pausing.py; the exhaustive sweep over every
-call is tests/test_fencing_slow.py (``-m slow``).
+reports no divergence. The pause harness is tests/support/pausing.py; the exhaustive sweep over every
+call is tests/chain/test_fencing_slow.py (``-m slow``).
 
 Here:
 
@@ -95,7 +95,7 @@ def make_env(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Env:
 
 # -- the sweep of named points ---------------------------------------------------------------------
 #: (store, phase, named point, interleaving): D1's and D2's points against every interleaving,
-#: every other named point against one; the whole cross product is tests/test_fencing_slow.py.
+#: every other named point against one; the whole cross product is tests/chain/test_fencing_slow.py.
 MAIN_SWEEP = [
     *[("memory", "open", "gc-list", il) for il in ("commit", "renew", "compact", "snapshot")],
     ("memory", "open", "take-lock", "commit"),
