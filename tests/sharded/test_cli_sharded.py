@@ -607,7 +607,7 @@ def test_one_rank_chain_on_its_own_is_refused(fsdp_chain: Path, tmp_path: Path) 
         ldformat.compact(rank0, keep_last=2)
     with pytest.raises(ldformat.UsageError):
         ldformat.truncate(rank0, 2)
-    invoke("sync", fsdp_chain, tmp_path / "copy")  # the whole sharded chain is replicated (tests/sharded/test_sync_sharded.py)
+    invoke("sync", fsdp_chain, tmp_path / "copy")  # the whole sharded chain is replicated (test_sync_sharded.py)
     assert digest(tmp_path / "copy") == digest(fsdp_chain)
     line = error_line(invoke("sync", fsdp_chain / "ranks" / "00001", rank0, code=2))
     assert "one rank's chain of a sharded chain" in line

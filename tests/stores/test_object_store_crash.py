@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import crash_writer as cw
 import pytest
 import s3_crash_writer as scw
+from lock_race import check_race_outcome, run_race_trial
 from models import assert_state_bits_equal, snapshot
 from paths import REPO, SUPPORT
-from lock_race import check_race_outcome, run_race_trial
 
 import ldformat
 from ldformat import ChainReader, ChainWriter
