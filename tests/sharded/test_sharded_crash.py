@@ -13,7 +13,6 @@ Run the workers directly: ``python sharded_crash_worker.py RANK WORLD OUTDIR STE
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -45,7 +44,7 @@ pytestmark = [
 
 def _start(outdir: Path, steps: int, *flags: str, rank_flags: dict[int, list[str]] | None = None
            ) -> list[subprocess.Popen[str]]:
-    env = gloo_env(PYTHONPATH=os.pathsep.join([str(WORKER.parent), os.environ.get("PYTHONPATH", "")]))
+    env = gloo_env()  # with the worker's directory on PYTHONPATH
     procs = []
     for rank in range(WORLD):
         extra = (rank_flags or {}).get(rank, [])

@@ -23,5 +23,7 @@ def gloo_env(**extra: str) -> dict[str, str]:
     a free port, one OpenMP thread each (the workers share the cores), these helpers importable
     (a test module run as a worker finds them so), plus ``extra``."""
     path = os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), *filter(None, [os.environ.get("PYTHONPATH")])])
-    return dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
-                PYTHONPATH=path, **extra)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1",
+               PYTHONPATH=path)
+    env.update(extra)
+    return env
