@@ -27,7 +27,7 @@ from ldformat.format.delta import WIDTH_DTYPES, difference_delta
 from ldformat.format.manifest import Encoding
 from ldformat.format.predict import adam_coefficients, predict_parameter, predict_second_moment
 from ldformat.format.state import encode_param_groups
-from ldformat.format.state_delta import row_values, wanted_encodings
+from ldformat.state_delta import row_values, wanted_encodings
 
 SPEC = REPO / "spec" / "ldformat.md"
 CUDA = torch.cuda.is_available()
