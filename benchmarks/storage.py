@@ -32,12 +32,11 @@ def raw_state_bytes(trainer: Trainer) -> int:
 
 def chain_bytes(chain: str | os.PathLike[str]) -> dict[str, Any]:
     """Where a chain's bytes go: anchors, delta objects by array, log records; raw sizes of the deltas."""
-    from ldformat import ChainReader
+    from ldformat import ChainReader, chain_info
     from ldformat.chain.records import log_path
-    from ldtools.cli import chain_info
 
     reader = ChainReader(chain)
-    info = chain_info(reader)
+    info = chain_info(reader).to_dict()  # what `ldtools info --json` prints
     state = reader.state
     by_array: dict[str, int] = {}
     raw_values = raw_indices = n_sparse = n_values = 0
@@ -109,7 +108,7 @@ def value_codec_variants(chain: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def _width(dtype: str) -> int:
-    from ldformat.format.jsonvalue import parse_dtype
+    from ldformat.format.dtypes import parse_dtype
 
     return torch.empty(0, dtype=parse_dtype(dtype)).element_size()
 
@@ -237,7 +236,7 @@ def run_anchor_throughput(size: ModelSize, workdir: Path, reps: int, log: Any = 
 
     from ldformat import ChainWriter, LocalStore
     from ldformat.format.anchor import anchor_parts, encode_anchor, write_anchor_parts
-    from ldformat.format.jsonvalue import object_checksum, object_checksum_parts
+    from ldformat.format.checksum import object_checksum, object_checksum_parts
 
     trainer = Trainer(size)
     trainer.step()

@@ -27,7 +27,6 @@ from torch import nn
 
 import ldformat
 from ldformat import ChainReader, ChainWriter, TopK
-from ldtools.cli import chain_info
 
 VOCAB, SEQ, BATCH = 512, 64, 8
 KINDS = ("grad.topk", "grad.dense", "state.xor")
@@ -180,13 +179,13 @@ def check_and_measure(kind: str, chain: Path, run: dict[str, Any], full_path: Pa
     if diffs:
         problems.append(f"{kind}: step {latest} does not match the live state: {', '.join(diffs[:3])}")
 
-    report = ldformat.chain.validate(chain, deep=True)
+    report = ldformat.validate(chain, deep=True)
     if not report.ok:
         problems.extend(f"{kind}: validate: {p}" for p in report.problems)
 
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, full_path)
     full = full_path.stat().st_size
-    info = chain_info(reader)
+    info = ldformat.chain_info(reader).to_dict()  # what `ldtools info --json` prints
     t_mat = median_time(lambda: ChainReader(chain).materialize(latest))
     t_load = median_time(lambda: torch.load(full_path, weights_only=True))
     return {

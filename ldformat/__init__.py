@@ -52,6 +52,21 @@ if TYPE_CHECKING:
     from .chain.replicate import ReplicaDivergedError, SyncReport
     from .chain.validate import Problem, ValidationReport
     from .chain.writer import ChainWriter
+    from .export.dcp import export_dcp
+    from .export.files import check_output, save_step, write_output
+    from .export.history import StepStats, TensorDiff, diff_steps, rollback_step, step_history
+    from .export.info import (
+        ChainInfo,
+        FullCheckpoint,
+        MirrorLag,
+        OrdinaryInfo,
+        ShardedInfo,
+        chain_info,
+        check_chain_location,
+        commit_log,
+        sharded_parent,
+        sharded_world_size,
+    )
     from .format.manifest import FORMAT_VERSION, KINDS
     from .format.topk import TopK
     from .sharded.chain import ShardedReader
@@ -86,12 +101,32 @@ _LAZY: dict[str, str] = {
     "ReplicaDivergedError": ".chain.replicate",
     "SyncReport": ".chain.replicate",
     "sync": ".api",
+    "ChainInfo": ".export.info",
+    "FullCheckpoint": ".export.info",
+    "MirrorLag": ".export.info",
+    "OrdinaryInfo": ".export.info",
+    "ShardedInfo": ".export.info",
+    "chain_info": ".export.info",
+    "check_chain_location": ".export.info",
+    "commit_log": ".export.info",
+    "sharded_parent": ".export.info",
+    "sharded_world_size": ".export.info",
+    "check_output": ".export.files",
+    "save_step": ".export.files",
+    "write_output": ".export.files",
+    "export_dcp": ".export.dcp",
+    "StepStats": ".export.history",
+    "TensorDiff": ".export.history",
+    "diff_steps": ".export.history",
+    "rollback_step": ".export.history",
+    "step_history": ".export.history",
 }
 
 __all__ = [
     "FORMAT_VERSION",
     "KINDS",
     "ChainError",
+    "ChainInfo",
     "ChainExistsError",
     "ChainLockedError",
     "ChainReader",
@@ -102,21 +137,27 @@ __all__ = [
     "CorruptChainError",
     "EmptyChainError",
     "FormatError",
+    "FullCheckpoint",
     "LdformatError",
     "LocalStore",
     "LockLostError",
+    "MirrorLag",
     "MissingObjectError",
     "NotAChainError",
+    "OrdinaryInfo",
     "OutputWriteError",
     "Problem",
     "ReplayEnvironmentWarning",
     "ReplicaDivergedError",
     "ResidualPeer",
     "ResumableSampler",
+    "ShardedInfo",
     "ShardedReader",
     "StepNotFoundError",
+    "StepStats",
     "Store",
     "SyncReport",
+    "TensorDiff",
     "TopK",
     "TopKCommState",
     "UnsupportedStateError",
@@ -124,13 +165,25 @@ __all__ = [
     "UsageError",
     "ValidationReport",
     "WriterIOError",
+    "chain_info",
+    "check_chain_location",
+    "check_output",
+    "commit_log",
     "compact",
+    "diff_steps",
+    "export_dcp",
     "open_reader",
     "resume",
+    "rollback_step",
+    "save_step",
+    "sharded_parent",
+    "sharded_world_size",
+    "step_history",
     "sync",
     "topk_comm_hook",
     "truncate",
     "validate",
+    "write_output",
 ]
 
 
@@ -149,12 +202,14 @@ def __dir__() -> list[str]:
 
 class _Package(types.ModuleType):
     """The package module: importing an old module path that shares its name with a public
-    function (``ldformat.chain.maintenance``, ``ldformat.chain.validate``; see :mod:`._moved`) sets the
+    function (``ldformat.compact``, ``ldformat.validate``; see :mod:`._moved`) sets the
     package's attribute of that name to the module; the public function keeps it."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and name in _LAZY and hasattr(value, name):
-            value = getattr(value, name)
+        if isinstance(value, types.ModuleType) and name in _LAZY:
+            # The public name, from where _LAZY says it lives: the old module's function of that
+            # name may be another one (ldformat.validate is api.validate, not chain.validate's).
+            value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         super().__setattr__(name, value)
 
 

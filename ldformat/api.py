@@ -18,7 +18,7 @@ from .chain.maintenance import CompactionPlan, check_max_replay
 from .chain.reader import open_store
 from .chain.replicate import WORKERS, Progress, SyncReport, open_location
 from .chain.sharded_probe import is_sharded, is_sharded_location
-from .chain.validate import ValidationReport
+from .chain.validate import Problem, ValidationReport
 from .errors import UsageError
 from .sharded.chain import open_reader
 from .sharded.maintenance import compact_sharded, truncate_sharded
@@ -169,6 +169,7 @@ def validate(
     path: str | os.PathLike[str],
     deep: bool = False,
     *,
+    strict: bool = False,
     store: Store | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -187,10 +188,25 @@ def validate(
     ``path`` may be a URL (``s3://bucket/prefix``, ...; ``storage_options`` override the
     object store's environment variables, see :func:`ldformat.stores.open_store`).
 
+    ``deep`` also replays the deltas from each anchor to the next and compares the result
+    with that stored anchor, bit for bit (``report.drift``: one entry per anchor compared).
+    ``strict`` implies ``deep`` and adds a problem when the deep check compared no anchor
+    with a replay (one anchor, or none reached by replay from another): it checked nothing.
+
     Raises:
         NotAChainError: ``path`` is not a chain at all (nothing to validate).
     """
+    deep = deep or strict
     store = open_store(path, store, storage_options)
     if is_sharded(store):
-        return validate_sharded(path, store, deep, progress, storage_options)
-    return plain_validation.validate(path, deep, store=store, progress=progress, storage_options=storage_options)
+        report = validate_sharded(path, store, deep, progress, storage_options)
+    else:
+        report = plain_validation.validate(path, deep, store=store, progress=progress,
+                                           storage_options=storage_options)
+    if strict and report.ok and not report.drift:
+        n = len(report.anchors)
+        report.problems.append(Problem(report.path, None, (
+            f"--strict: the deep check compared no anchor with a replay ({n} anchor{'' if n == 1 else 's'}, none "
+            "reached by replaying deltas from another), so nothing showed that replay reproduces the stored "
+            "state; validate again once the writer has stored a later anchor, or leave out --strict")))
+    return report

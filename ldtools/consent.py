@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import click
 
-from ldformat.errors import ChainLockedError, LockLostError, UsageError
+from ldformat import ChainLockedError, LockLostError, UsageError
 
 T = TypeVar("T")
 

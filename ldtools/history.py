@@ -1,8 +1,7 @@
 """``ldtools stats``, ``ldtools diff`` and ``ldtools plot``: the flight recorder's commands
 (docs/flight-recorder.md). They display what :mod:`ldformat.export.history` computes.
 
-The commands register themselves on :data:`ldtools.cli.cli` when this module is imported
-(``cli.py`` imports it at its end).
+:mod:`ldtools.cli` adds these commands to its group; they share :mod:`.terminal` with it.
 """
 
 from __future__ import annotations
@@ -17,13 +16,13 @@ from typing import IO, TYPE_CHECKING, Any
 import click
 
 import ldformat
-from ldformat.errors import UsageError
+from ldformat import UsageError, check_output, write_output
 
-from .cli import CHAIN, _echo, check_output, cli, errors_to_exit_codes, refuse_existing_output, write_output
 from .progress import human_bytes
+from .terminal import CHAIN, echo, errors_to_exit_codes, refuse_existing_output
 
 if TYPE_CHECKING:
-    from ldformat.export.history import StepStats, TensorDiff
+    from ldformat import StepStats, TensorDiff
 
 
 def _reader(chain: str) -> ldformat.ChainReader | ldformat.ShardedReader:
@@ -51,14 +50,14 @@ def _range_options(fn: Any) -> Any:
 
 
 def _history(chain: str, first: int | None, last: int | None, depth: int) -> list[StepStats]:
-    from ldformat.export.history import step_history
+    from ldformat import step_history
 
     return list(step_history(_reader(chain), first=first, last=last, depth=depth))
 
 
 def rollback_advice(chain: str, history: list[StepStats]) -> dict[str, Any] | None:
     """The first flagged step and the commands that roll back before it (None without flags)."""
-    from ldformat.export.history import rollback_step
+    from ldformat import rollback_step
 
     flagged = next((s for s in history if s.flags), None)
     if flagged is None:
@@ -73,7 +72,7 @@ def rollback_advice(chain: str, history: list[StepStats]) -> dict[str, Any] | No
 
 
 # -- stats -----------------------------------------------------------------------------------
-@cli.command()
+@click.command()
 @CHAIN
 @_range_options
 @click.option("--groups", "show_groups", is_flag=True, help="Also print one line per parameter group and step.")
@@ -97,7 +96,7 @@ def stats(chain: str, first: int | None, last: int | None, depth: int, show_grou
     history = _history(chain, first, last, depth)
     advice = rollback_advice(chain, history)
     if as_json:
-        _echo(json.dumps({"chain": chain, "steps": [s.to_dict() for s in history], "rollback": advice}, indent=1))
+        echo(json.dumps({"chain": chain, "steps": [s.to_dict() for s in history], "rollback": advice}, indent=1))
         return
     names = sorted({k for s in history for k in s.scalars if k not in ("loss", "lr") and not k.startswith("lr/")})
     header = ["STEP", "LOSS", "LR", "REL_UPD", "|DW|", "|W|", "BYTES", *[n.upper() for n in names], "MOVED_MOST", ""]
@@ -120,22 +119,22 @@ def stats(chain: str, first: int | None, last: int | None, depth: int, show_grou
                       if g.v_mean is not None else "", ""] for g in s.groups]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
-        _echo("  ".join(c.ljust(w) if i == 0 or i >= len(r) - 2 else c.rjust(w)
+        echo("  ".join(c.ljust(w) if i == 0 or i >= len(r) - 2 else c.rjust(w)
                         for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
-    _echo("(* anchor)")
+    echo("(* anchor)")
     if advice is None:
-        _echo("no step flagged (loss and relative update within a robust z-score of 3.5 of the previous 20 steps)")
+        echo("no step flagged (loss and relative update within a robust z-score of 3.5 of the previous 20 steps)")
         return
-    _echo(f"first flagged step: {advice['first_flagged']} ({', '.join(advice['flags'])})")
+    echo(f"first flagged step: {advice['first_flagged']} ({', '.join(advice['flags'])})")
     if advice["rollback_to"] is None:
-        _echo("no earlier step in this range to roll back to; widen it with --from")
+        echo("no earlier step in this range to roll back to; widen it with --from")
     else:
-        _echo(f"roll back to step {advice['rollback_to']}: {advice['command']}")
-        _echo(advice["resume"])
+        echo(f"roll back to step {advice['rollback_to']}: {advice['command']}")
+        echo(advice["resume"])
 
 
 # -- diff ------------------------------------------------------------------------------------
-@cli.command()
+@click.command()
 @CHAIN
 @click.argument("step_a", type=int)
 @click.argument("step_b", type=int)
@@ -155,13 +154,13 @@ def diff(chain: str, step_a: int, step_b: int, other: str | None, show_all: bool
     Example: ldtools diff runs/chain 1200 1201
              ldtools diff runs/chain 1200 1200 --other runs/rerun
     """
-    from ldformat.export.history import diff_steps
+    from ldformat import diff_steps
 
     a = _reader(chain)
     b = _reader(other) if other is not None else None
     diffs = diff_steps(a, step_a, step_b, b)
     if as_json:
-        _echo(json.dumps({"a": {"chain": chain, "step": step_a}, "b": {"chain": other or chain, "step": step_b},
+        echo(json.dumps({"a": {"chain": chain, "step": step_a}, "b": {"chain": other or chain, "step": step_b},
                           "tensors": [d.to_dict() for d in diffs]}, indent=1))
         return
     _echo_diffs(diffs, show_all)
@@ -177,13 +176,13 @@ def _echo_diffs(diffs: list[TensorDiff], show_all: bool) -> None:
                      "-" if d.first_index is None else str(d.first_index)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        _echo("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        echo("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
     counts = {k: sum(d.status == k for d in diffs) for k in ("changed", "same", "only_a", "only_b", "mismatch")}
-    _echo(f"{len(diffs)} tensors: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n))
+    echo(f"{len(diffs)} tensors: " + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in counts.items() if n))
 
 
 # -- plot ------------------------------------------------------------------------------------
-@cli.command()
+@click.command()
 @CHAIN
 @click.option("-o", "--output", "out", required=True, type=click.Path(path_type=Path),
               help="history.html (self-contained, no network) or history.png (needs matplotlib).")
@@ -217,7 +216,7 @@ def plot(chain: str, out: Path, first: int | None, last: int | None, depth: int,
             f.write(page)
 
         size = write_output(out, "the plot", write_page)
-    _echo(f"wrote {out} ({human_bytes(size)}, {len(history)} steps)")
+    echo(f"wrote {out} ({human_bytes(size)}, {len(history)} steps)")
 
 
 class PlotData:

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import click
 
-from ldformat.errors import UsageError
+from ldformat import UsageError
 
 THREADS_ENV = "LDTOOLS_THREADS"
 #: Threads that decode while a step is applied: the replay's prefetch thread.

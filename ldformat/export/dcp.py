@@ -38,6 +38,7 @@ from typing import Any
 from ..chain.reader import ChainReader
 from ..errors import OutputWriteError, UsageError
 from ..sharded.chain import ShardedReader, open_reader
+from .files import WriteFailure, output_failure, write_atomically
 
 
 def dcp_state_dict(state: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -85,45 +86,60 @@ def _write_error(out: Path, doing: str, e: OSError) -> OutputWriteError:
     return err
 
 
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
+def _as_write_error(failure: WriteFailure) -> None:
+    """An OS error as the :class:`OutputWriteError` of a DCP export; any other error is left as it is."""
+    if isinstance(failure.error, OSError):
+        doing = "cannot write the DCP checkpoint" if failure.created else "cannot create the output directory"
+        raise _write_error(failure.out, doing, failure.error) from None
 
 
 def export_dcp(chain: str | os.PathLike[str] | ChainReader | ShardedReader, step: int | None,
-               out_dir: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None) -> int:
+               out_dir: str | os.PathLike[str], *, progress: Callable[[int, int], None] | None = None,
+               replace: bool = False) -> int:
     """Write step ``step`` (default: the latest) of ``chain`` as a DCP directory at ``out_dir``.
 
     The directory is written beside ``out_dir`` and renamed into place, so ``out_dir``
-    either holds a whole checkpoint or does not exist. Returns the step written.
+    either holds a whole checkpoint or does not exist. With ``replace``, a file or a directory
+    already at ``out_dir`` is replaced once the new checkpoint is complete (written beside it,
+    then swapped in). Returns the step written.
 
     Raises:
-        UsageError: ``out_dir`` exists and is not an empty directory.
+        UsageError: ``out_dir`` exists and is not an empty directory (without ``replace``).
         OutputWriteError: the directory cannot be written.
     """
     out = Path(out_dir)
+    if replace and os.path.lexists(out) and (not out.is_dir() or any(out.iterdir())):
+        return _replace_dcp(chain, step, out, progress)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out}: exists and is not an empty directory; pick a new output directory")
     reader = chain if isinstance(chain, (ChainReader, ShardedReader)) else open_reader(chain)
     state = reader.materialize(step, progress=progress)
     schema = reader.ranks[0].root.schema if isinstance(reader, ShardedReader) else reader.root.schema
     sd = dcp_state_dict(state, list(schema["optimizer"]["params"]))
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=parent))
-    except OSError as e:
-        raise _write_error(out, "cannot create the output directory", e) from None
-    try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700; give the mode mkdir would
-        _save(sd, tmp, out)
-        if out.exists():
-            out.rmdir()  # empty, checked above
-        os.replace(tmp, out)
-    except OSError as e:
-        raise _write_error(out, "cannot write the DCP checkpoint", e) from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    write_atomically(out, lambda tmp: _save(sd, Path(tmp), out), directory=True, on_error=_as_write_error)
     return int(state["step"])
+
+
+def _replace_dcp(chain: str | os.PathLike[str] | ChainReader | ShardedReader, step: int | None, out: Path,
+                 progress: Callable[[int, int], None] | None) -> int:
+    """Write a DCP directory beside ``out``, then swap it in for what is at ``out`` (put back on failure)."""
+    fresh = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent)) / out.name
+    try:
+        written = export_dcp(chain, step, fresh, progress=progress)
+        old = out.parent / f"{fresh.parent.name}-old"
+        try:
+            os.replace(out, old)
+            try:
+                os.replace(fresh, out)
+            except OSError:
+                os.replace(old, out)  # put the old one back
+                raise
+        except OSError as e:
+            raise output_failure(out, f"step {written}", e, True) from e
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(fresh.parent, ignore_errors=True)
+    return written

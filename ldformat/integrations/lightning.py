@@ -54,13 +54,14 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess without
         "ldformat.integrations.lightning needs Lightning (lightning.pytorch): pip install 'ldformat[lightning]'"
     ) from e
 
+from ..api import sync
 from ..capture.options import CaptureOptions
 from ..capture.rng import RngState, capture_rng, restore_rng
 from ..capture.runtime import Checkpointer
 from ..capture.tuning import Interval
 from ..chain.reader import ChainReader
-from ..api import sync
 from ..errors import LdformatError, NotAChainError, UsageError
+from ..export.files import write_atomically
 from ..format.jsonvalue import JSON, encode
 
 __all__ = ["LdformatCheckpoint"]
@@ -527,14 +528,8 @@ def _latest_lightning_step(reader: ChainReader) -> int | None:
 
 
 def _save_atomically(checkpoint: dict[str, object], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    def save(tmp: str) -> None:
         with open(tmp, "wb") as f:
             torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
+    write_atomically(path, save)
