@@ -530,7 +530,7 @@ def run_product(new: dict, prev: dict, s: Scratch, tally: Tally, step: int) -> N
     t0 = time.process_time()
     row = decode_batch(objects, slots, 1, "delta_codecs").row(0)
     dec = time.process_time() - t0
-    for n in names:  # replay xors into the state in place (ldformat.format.delta.xor_into): here into a copy-free scratch
+    for n in names:  # replay xors into the state in place (format.delta.xor_into): here into a copy-free scratch
         _, vals = row[n]
         out = s.decoded[: new[n].shape[0]]
         t0 = time.process_time()

@@ -625,7 +625,7 @@ def analyse(ranks: list[dict[str, Any]], workdir: Path) -> dict[str, Any]:
                                                if info0["committer_cpu_s"] is not None else None)
             t0 = time.perf_counter()
             try:
-                rep = ldformat.chain.validate(chain)
+                rep = ldformat.validate(chain)
                 row["validate"] = {"ok": rep.ok, "steps": rep.steps, "anchors": list(rep.anchors),
                                    "latest_step": rep.latest_step, "problems": [str(p) for p in rep.problems[:5]],
                                    "seconds": time.perf_counter() - t0}

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import ldformat
-from ldformat.export.history import rollback_step, step_history
+from ldformat import rollback_step, step_history
 
 STEPS = 60
 SPIKE = (40, 41)  # the steps whose learning rate is multiplied by 100

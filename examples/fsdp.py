@@ -111,7 +111,7 @@ def main() -> None:
     mp.spawn(worker, args=(2, free_port(), args.out, args.steps, "train"), nprocs=2)
     mp.spawn(worker, args=(4, free_port(), args.out, args.steps, "resume"), nprocs=4)
     for chain in ("chain", "chain-w4"):
-        report = ldformat.chain.validate(args.out / chain)
+        report = ldformat.validate(args.out / chain)
         verdict = "ok" if report.ok else "INVALID"
         print(f"{chain}: {verdict}, {report.steps} committed steps, latest {report.latest_step}")
         if not report.ok:

@@ -136,7 +136,7 @@ def main() -> None:
     reader = ldformat.ChainReader(chain)
     print(f"-- chain: steps {reader.steps[0]}..{reader.latest_step}, {len(reader.anchors)} anchors, "
           f"{reader.bytes_on_disk() / 2**20:.1f} MiB on disk; "
-          f"validate: {'ok' if ldformat.chain.validate(chain).ok else 'FAILED'}")
+          f"validate: {'ok' if ldformat.validate(chain).ok else 'FAILED'}")
     if args.verify:
         reference = args.out / "reference"
         shutil.rmtree(reference, ignore_errors=True)

@@ -68,7 +68,7 @@ def main() -> int:
     ok = ok and all(same_bits(state["optimizer"]["state"][i], live_opt[i]) for i in live_opt)
     print(f"step {state['step']} materialized from {args.url}: {'bit-exact' if ok else 'MISMATCH'}")
 
-    report = ldformat.chain.validate(args.url)
+    report = ldformat.validate(args.url)
     print(f"validate: {'ok' if report.ok else 'INVALID'} ({len(reader.steps)} steps, anchors {reader.anchors})")
     for problem in report.problems:
         print(f"  {problem}", file=sys.stderr)
