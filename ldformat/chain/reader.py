@@ -33,35 +33,15 @@ from ..format.environment import differences
 from ..format.jsonvalue import JSON
 from ..format.manifest import DeltaEntry, ObjectRef, Record, RootMetadata, StepEntry
 from ..format.replay import Replayer
-from ..stores import LocalStore, ObjectStore, Store, parse_location
-from ..stores import open_store as _open_location
+from ..stores import Store, open_existing_store, parse_location
 from .records import read_log, read_root, read_verified
 
 T = TypeVar("T")
 
 
-def open_store(path: str | os.PathLike[str], store: Store | None,
-               storage_options: dict[str, Any] | None = None) -> Store:
-    """``store`` if given, else the store of the chain at ``path`` (a directory or a URL).
-
-    A local directory must exist; an object store or ``memory://`` URL is opened without a
-    request (see :func:`ldformat.stores.open_store`).
-
-    Raises:
-        NotAChainError: ``path`` is a local path that is missing or not a directory.
-        UsageError: an unsupported URL scheme, or ``storage_options`` for a local path.
-    """
-    if store is not None:
-        return store
-    loc = parse_location(path)
-    if loc.path is None or storage_options:  # a URL (storage_options are refused for a directory)
-        return _open_location(path, storage_options=storage_options)
-    p = loc.path
-    if not p.exists():
-        raise NotAChainError(f"{loc.name}: no such directory")
-    if not p.is_dir():
-        raise NotAChainError(f"{loc.name}: not a directory, so not an ldformat chain")
-    return LocalStore(p)
+#: The store of an existing chain (:func:`ldformat.stores.open_existing_store`), by the name
+#: the chain modules import it under.
+open_store = open_existing_store
 
 
 #: The root file of a sharded chain (``ldformat.chain.sharded_probe.SHARDED_ROOT``, spec §20), named here
@@ -436,7 +416,7 @@ def _decode_pool() -> ThreadPoolExecutor:
 def _remote(store: Store) -> bool:
     """Whether each read of ``store`` costs a round trip (an object store), so that the objects
     of a batch are better fetched concurrently than one after another as decoding asks."""
-    return isinstance(store, ObjectStore)
+    return store.is_remote
 
 
 class _VerifiedObjects(Mapping[str, np.ndarray]):

@@ -15,38 +15,35 @@ never locked: a writer may append to it, and a compaction or truncation may rewr
 while it is copied.
 
 A sharded chain (spec §20.12) is replicated part by part by :mod:`.replicate_sharded`, with
-this module's machinery for each rank chain.
+this module's machinery for each rank chain. What a sync returns is :mod:`.sync_report`; the
+replica's lock across calls (kept held, or taken up again) is :mod:`.replica_lock`.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import (
-    ChainError,
     ChainExistsError,
     CorruptChainError,
     LdformatError,
-    LockLostError,
     MissingObjectError,
     UsageError,
 )
+from ..format.checksum import object_checksum_parts, object_checksum_seed
 from ..format.fold import ChainState
-from ..format.jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES, object_checksum_parts, object_checksum_seed
+from ..format.jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES
 from ..format.manifest import ObjectRef, Record, RootMetadata, Segment, SegmentRef, expand
-from ..stores import FaultyStore, LocalStore, MemoryStore, ObjectStore, Store, open_store, parse_location
+from ..stores import Store, open_store, parse_location
 from ..stores.local import make_directory
-from ..stores.prefixed import PrefixedStore
 from .commit import collect_garbage
-from .lock import WriterLock, current_lock
+from .lock import WriterLock
 from .reader import ChainReader
 from .records import (
     LOCK_DIR,
@@ -62,7 +59,11 @@ from .records import (
     read_log,
     segment_reader,
 )
+from .replica_lock import settle_lock as settle_lock
+from .replica_lock import take_lock as take_lock
 from .sharded_probe import is_sharded, is_sharded_location, refuse_sharded
+from .sync_report import Progress as Progress
+from .sync_report import ReplicaDivergedError, SyncReport
 
 __all__ = ["ReplicaDivergedError", "SyncReport", "sync"]
 
@@ -75,107 +76,6 @@ WORKERS = 4
 #: Objects at least this large are copied from a local source mapped, not read into memory.
 STREAM_BYTES = 64 << 20
 STREAM_CHUNK = 8 << 20
-
-Progress = Callable[[str, int, int], None]
-
-
-class ReplicaDivergedError(ChainError):
-    """The destination holds another chain, or a log that is not a copy of the source's."""
-
-
-@dataclass
-class SyncReport:
-    """What :func:`sync` did, and how far the replica lags behind its source.
-
-    Attributes:
-        src, dst: the two locations, as messages name them.
-        records_copied: commit records created on ``dst``.
-        objects_copied: data objects read from ``src`` and written to ``dst``.
-        objects_skipped: objects the copied records reference that ``dst`` already held
-            (committed there, or left by an interrupted run and verified).
-        bytes_copied: bytes of the copied objects.
-        garbage_removed: objects and superseded records removed from ``dst`` afterwards
-            (lock generations not counted).
-        seconds: wall time of the call.
-        created: ``dst`` became a chain in this call (its root was created).
-        jumped: ``dst`` skipped superseded records of ``src`` to a newer snapshot (spec §7.3).
-        source_refolds: times ``src`` was folded again because a record or object of the
-            version being copied vanished (a concurrent compaction or truncation).
-        src_last_seq, dst_last_seq: the newest record of each chain when the call returned
-            (``src`` re-read at the end: a writer may have committed meanwhile).
-        src_latest_step, dst_latest_step: their latest committed steps.
-        garbage_deferred: ``dst``'s lock was taken over from a holder that had not released
-            it and no record was copied, so nothing was deleted and the lock was left held
-            for the next run to take over (spec §17.5).
-        sharded: ``src`` is a sharded chain (spec §20). Then ``records_copied``,
-            ``src_last_seq`` and ``dst_last_seq`` count global commit records; the steps are
-            the newest *committed* steps of each sharded chain (spec §20.3.2); the object,
-            byte, garbage and refold counts sum up every rank chain, ``jumped`` and
-            ``garbage_deferred`` hold for at least one; ``created`` means ``sharded.json``
-            was created.
-        world_size: the number of rank chains (sharded only).
-        rank_records_copied: records created in the rank chains of ``dst``, all together.
-        ranks: each rank chain's own report, by rank (sharded only).
-    """
-
-    src: str
-    dst: str
-    records_copied: int = 0
-    objects_copied: int = 0
-    objects_skipped: int = 0
-    bytes_copied: int = 0
-    garbage_removed: int = 0
-    seconds: float = 0.0
-    created: bool = False
-    jumped: bool = False
-    source_refolds: int = 0
-    src_last_seq: int = 0
-    dst_last_seq: int = 0
-    src_latest_step: int | None = None
-    dst_latest_step: int | None = None
-    garbage_deferred: bool = False
-    sharded: bool = False
-    world_size: int | None = None
-    rank_records_copied: int = 0
-    ranks: list[SyncReport] = field(default_factory=list)
-
-    @property
-    def up_to_date(self) -> bool:
-        """``dst`` holds every record of ``src`` (as ``src`` was at the end of the call)."""
-        return self.dst_last_seq == self.src_last_seq
-
-    @property
-    def lag_steps(self) -> int | None:
-        """``src``'s latest step minus ``dst``'s (None when either has no step)."""
-        if self.src_latest_step is None or self.dst_latest_step is None:
-            return None
-        return self.src_latest_step - self.dst_latest_step
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "src": self.src,
-            "dst": self.dst,
-            "records_copied": self.records_copied,
-            "objects_copied": self.objects_copied,
-            "objects_skipped": self.objects_skipped,
-            "bytes_copied": self.bytes_copied,
-            "garbage_removed": self.garbage_removed,
-            "seconds": round(self.seconds, 3),
-            "created": self.created,
-            "jumped": self.jumped,
-            "source_refolds": self.source_refolds,
-            "src_last_seq": self.src_last_seq,
-            "dst_last_seq": self.dst_last_seq,
-            "src_latest_step": self.src_latest_step,
-            "dst_latest_step": self.dst_latest_step,
-            "lag_steps": self.lag_steps,
-            "up_to_date": self.up_to_date,
-            "garbage_deferred": self.garbage_deferred,
-            "sharded": self.sharded,
-            **({"world_size": self.world_size, "rank_records_copied": self.rank_records_copied,
-                "ranks": [r.to_dict() for r in self.ranks]} if self.sharded else {}),
-        }
-
 
 def sync(
     src: str | os.PathLike[str] | Store,
@@ -224,26 +124,6 @@ def sync_opened(src_store: Store, src_name: str, dst: str | os.PathLike[str] | S
     return report
 
 
-def settle_lock(job: ChainSync) -> None:
-    """Release the replica's lock at the end of a call, or keep it held (spec §17.5)."""
-    lock = job.lock
-    if lock is None:
-        return
-    if job.fenced:
-        if not lock.release():
-            # The release failed (the store is down): the lock stays held by this process, which
-            # is alive. Remember it, so that the next sync here continues with it instead of
-            # finding the replica locked by a running writer (this process) until it exits.
-            with _UNFENCED_LOCK:
-                _RELEASING[job.dst_name] = lock
-    else:
-        # Taken over from a holder that may still run, and not fenced: the lock stays held,
-        # so that whoever takes it next inherits the duty to fence (spec §17.5).
-        job.report.garbage_deferred = True
-        with _UNFENCED_LOCK:
-            _UNFENCED[lock.owner.token] = lock
-
-
 def _refuse_sharded_dst(dst: str | os.PathLike[str] | Store, options: dict[str, Any] | None, src_name: str) -> None:
     """An ordinary chain is not synced into a sharded chain, nor into one rank chain of one."""
     if isinstance(dst, Store):
@@ -255,40 +135,6 @@ def _refuse_sharded_dst(dst: str | os.PathLike[str] | Store, options: dict[str, 
                          "same kind of chain as its source: sync to a new location")
     if not isinstance(dst, Store):
         refuse_sharded(dst, None, options, "synced into")  # one rank's chain of a sharded chain
-
-
-#: Locks of replicas that this process took over and left held without fencing (spec §17.5),
-#: by token: the next :func:`sync` of the same replica in this process continues with it
-#: instead of finding it held by a live process (this one).
-_UNFENCED: dict[str, WriterLock] = {}
-_UNFENCED_LOCK = threading.Lock()
-#: Locks this process failed to release, by replica (as messages name it): the replica's
-#: newest lock generation is still that one, held by this process.
-_RELEASING: dict[str, WriterLock] = {}
-
-
-def take_lock(dst: Store, where: str, break_lock: bool, wait_s: float) -> WriterLock:
-    """The replica's writer lock: this process's own when an earlier call here left it held
-    (not fenced, or not released), else taken as any writer takes it."""
-    owner = current_lock(dst, where)
-    if owner is not None:
-        with _UNFENCED_LOCK:
-            mine = _UNFENCED.pop(owner.token, None)
-            released = _RELEASING.get(where)
-            if released is not None and released.owner.token == owner.token:
-                del _RELEASING[where]
-            else:
-                released = None
-        if mine is None and released is not None and released.generation == owner.generation:
-            # Our release failed: the lock is still ours, and was fenced by our records.
-            mine = WriterLock(dst, where, owner, released.previous, took_over=False)
-        if mine is not None and mine.generation == owner.generation:
-            try:
-                mine.check()
-                return mine
-            except LockLostError:
-                pass  # taken over meanwhile (a lease ran out): take it like anyone else
-    return WriterLock.acquire(dst, where, break_lock=break_lock, wait_s=wait_s)
 
 
 def open_location(location: str | os.PathLike[str] | Store, options: dict[str, Any] | None,
@@ -309,32 +155,14 @@ def open_location(location: str | os.PathLike[str] | Store, options: dict[str, A
 
 
 def describe_store(store: Store) -> str:
-    if isinstance(store, FaultyStore):
-        return describe_store(store.inner)
-    if isinstance(store, PrefixedStore):
-        return f"{describe_store(store.inner)}/{store.prefix}"
-    if isinstance(store, LocalStore):
-        return str(store.root)
-    if isinstance(store, MemoryStore) and store.name is not None:
-        return f"memory://{store.name}"
-    if isinstance(store, ObjectStore):
-        return store.url
-    return repr(store)
+    """How messages name ``store`` (:meth:`Store.describe <ldformat.stores.Store.describe>`)."""
+    return store.describe()
 
 
 def same_location(a: Store, b: Store) -> bool:
-    """Whether the two stores are one location (a sync onto its own source is refused)."""
-    while isinstance(a, FaultyStore):
-        a = a.inner
-    while isinstance(b, FaultyStore):
-        b = b.inner
-    if isinstance(a, LocalStore) and isinstance(b, LocalStore):
-        return a.root.resolve() == b.root.resolve()
-    if isinstance(a, MemoryStore) and isinstance(b, MemoryStore):
-        return a is b or (a.name is not None and a.name == b.name)
-    if isinstance(a, ObjectStore) and isinstance(b, ObjectStore):
-        return a.url == b.url
-    return a is b
+    """Whether the two stores are one location (a sync onto its own source is refused; ``==``
+    of stores)."""
+    return a == b
 
 
 class _SourceMoved(Exception):

@@ -5,7 +5,8 @@ directory, :class:`MemoryStore` in memory (with simulated crashes), :class:`Obje
 an object store (S3, GCS, Azure, HTTP; the ``s3`` extra), and :class:`FaultyStore` wraps any
 store to inject I/O errors, torn writes and stalls.
 
-:func:`open_store` turns a chain location into a store. A location is a local directory
+:func:`open_store` turns a chain location into a store, and :func:`open_existing_store` that
+of a chain that must already be there (a local directory must exist). A location is a local directory
 (a path, or ``file:///abs/path``), ``memory://<name>`` (a process-wide
 :meth:`MemoryStore.named` store), or an object store URL: ``s3://bucket/prefix`` (also
 ``s3a://``), ``gs://bucket/prefix``, ``az://container/prefix`` (the storage account from
@@ -23,8 +24,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from ..errors import UsageError
-from .base import ObjectTooLargeError, Part, Store, byte_view, check_relative_path
+from ..errors import NotAChainError, UsageError
+from .base import ObjectTooLargeError, Part, Store, WrapperStore, byte_view, check_relative_path
 from .faults import OPS, WRITES, Fault, FaultyStore, Op
 from .local import LocalStore
 from .memory import MemoryStore
@@ -129,6 +130,32 @@ def open_store(location: str | os.PathLike[str], *, storage_options: dict[str, A
         return MemoryStore.named(loc.target)
     return ObjectStore(loc.name, storage_options=storage_options)
 
+
+def open_existing_store(location: str | os.PathLike[str], store: Store | None,
+                        storage_options: dict[str, Any] | None = None) -> Store:
+    """``store`` if given, else the store of the chain at ``location`` (a directory or a URL),
+    which must already be there: unlike :func:`open_store`, a missing local directory is refused.
+
+    A local directory must exist; an object store or ``memory://`` URL is opened without a
+    request (see :func:`open_store`).
+
+    Raises:
+        NotAChainError: ``location`` is a local path that is missing or not a directory.
+        UsageError: an unsupported URL scheme, or ``storage_options`` for a local path.
+    """
+    if store is not None:
+        return store
+    loc = parse_location(location)
+    if loc.path is None or storage_options:  # a URL (storage_options are refused for a directory)
+        return open_store(location, storage_options=storage_options)
+    p = loc.path
+    if not p.exists():
+        raise NotAChainError(f"{loc.name}: no such directory")
+    if not p.is_dir():
+        raise NotAChainError(f"{loc.name}: not a directory, so not an ldformat chain")
+    return LocalStore(p)
+
+
 __all__ = [
     "OPS",
     "WRITES",
@@ -145,9 +172,11 @@ __all__ = [
     "Part",
     "RetryPolicy",
     "Store",
+    "WrapperStore",
     "byte_view",
     "check_relative_path",
     "location_name",
+    "open_existing_store",
     "open_store",
     "parse_location",
 ]

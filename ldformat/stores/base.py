@@ -41,12 +41,18 @@ The contract, for every backend:
 * **Threads.** One handle may be used from several threads at once. Calls on different
   paths do not interfere with each other, even in the same directory (a :meth:`~Store.delete`
   emptying a directory does not make a concurrent :meth:`~Store.write` below it fail).
+
+Besides the primitives, a store knows where it is: :meth:`~Store.describe` names its location
+in messages, :attr:`~Store.is_remote` says whether every call is a round trip to another
+machine, and ``==`` (with :func:`hash`) says whether two handles reach the same location (a
+sync onto its own source is refused). :class:`WrapperStore` passes all of it, and every
+primitive, to the store it wraps.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -148,8 +154,36 @@ class Store(abc.ABC):
 
     Subclasses implement the abstract methods; :meth:`write_parts`, :meth:`read_buffer`,
     :meth:`read_buffer_crc32c` and :meth:`local_path` have defaults that a backend overrides
-    when it can do better.
+    when it can do better, and so have the identity methods (:meth:`describe`,
+    :attr:`is_remote`, ``==``: by default a handle is a location of its own).
     """
+
+    def describe(self) -> str:
+        """How messages name the store's location: a directory, a URL, ``memory://name``
+        (the ``repr`` of a store that has no better name)."""
+        return repr(self)
+
+    @property
+    def is_remote(self) -> bool:
+        """Whether each call is a round trip to another machine (an object store): a reader
+        then fetches the objects of a batch concurrently rather than one after another."""
+        return False
+
+    def _identity(self) -> Hashable:
+        """What two handles on the same location have equal (see ``__eq__``); by default the
+        handle itself, so that a store is only ever the same location as itself."""
+        return (Store, id(self))
+
+    def __eq__(self, other: object) -> bool:
+        """Whether ``other`` reaches the same location: the same directory (symbolic links
+        resolved), the same named memory store, the same object store URL; a wrapper that
+        passes calls through unchanged is its inner store's location."""
+        if not isinstance(other, Store):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
 
     @abc.abstractmethod
     def write(self, path: str, data: bytes | bytearray | memoryview) -> None:
@@ -329,3 +363,59 @@ class Store(abc.ABC):
         """
         check_relative_path(path)
         return None
+
+
+class WrapperStore(Store):
+    """A store that passes every call to the store it wraps, ``inner``: the primitives and the
+    identity (:meth:`describe`, :attr:`is_remote`, ``==``). Subclasses override what they
+    change (:class:`~ldformat.stores.FaultyStore` the primitives it makes fail,
+    :class:`~ldformat.stores.prefixed.PrefixedStore` the paths and the location)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+
+    def write(self, path: str, data: bytes | bytearray | memoryview) -> None:
+        self.inner.write(path, data)
+
+    def write_parts(self, path: str, parts: Sequence[Part]) -> None:
+        self.inner.write_parts(path, parts)
+
+    def sync(self, paths: Iterable[str]) -> None:
+        self.inner.sync(paths)
+
+    def create_exclusive(self, path: str, data: bytes) -> None:
+        self.inner.create_exclusive(path, data)
+
+    def read(self, path: str) -> bytes:
+        return self.inner.read(path)
+
+    def read_buffer(self, path: str, max_size: int | None = None) -> np.ndarray:
+        return self.inner.read_buffer(path, max_size)
+
+    def read_buffer_crc32c(self, path: str, max_size: int | None = None, seed: int = 0) -> tuple[np.ndarray, int]:
+        return self.inner.read_buffer_crc32c(path, max_size, seed)
+
+    def size(self, path: str) -> int:
+        return self.inner.size(path)
+
+    def list(self, prefix: str) -> list[str]:
+        return self.inner.list(prefix)
+
+    def delete(self, path: str) -> None:
+        self.inner.delete(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def local_path(self, path: str) -> Path | None:
+        return self.inner.local_path(path)
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    @property
+    def is_remote(self) -> bool:
+        return self.inner.is_remote
+
+    def _identity(self) -> Hashable:
+        return self.inner._identity()

@@ -35,7 +35,7 @@ from typing import Literal, TypeVar, get_args
 import numpy as np
 
 from ..errors import UsageError
-from .base import Part, Store, byte_view, check_relative_path
+from .base import Part, Store, WrapperStore, byte_view, check_relative_path
 
 __all__ = ["OPS", "WRITES", "Fault", "FaultyStore", "Op", "When"]
 
@@ -115,7 +115,7 @@ class Fault:
         return min(self.torn, size)
 
 
-class FaultyStore(Store):
+class FaultyStore(WrapperStore):
     """A store that injects faults into the calls it passes to ``inner``.
 
     Args:
@@ -130,7 +130,8 @@ class FaultyStore(Store):
     Paths are checked (spec §21.2) before any rule is consulted, so an unsafe path raises
     :class:`~ldformat.errors.CorruptChainError` as from any store. Every matching rule
     counts the call; the stalls of all firing rules add up, and the first firing rule with
-    an error decides how the call fails.
+    an error decides how the call fails. The store is ``inner``'s location: same name in
+    messages, equal to ``inner``.
 
     Example:
         >>> import errno
@@ -147,7 +148,7 @@ class FaultyStore(Store):
 
     def __init__(self, inner: Store, faults: Iterable[Fault] = (), *, stall: Mapping[Op, float] | None = None,
                  armed: bool = True) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.faults: list[Fault] = []
         self.armed = armed
         self.failures = 0  #: calls failed with an injected error, over all rules

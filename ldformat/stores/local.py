@@ -8,7 +8,7 @@ import queue
 import secrets
 import stat
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -118,6 +118,12 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str], *, drop_cache: bool = True) -> None:
         self.root = Path(root)
         self.drop_cache = drop_cache
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def _identity(self) -> Hashable:
+        return ("file", self.root.resolve())
 
     def _abs(self, path: str) -> Path:
         target = self.root / check_relative_path(path)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -91,6 +91,13 @@ class MemoryStore(Store):
 
     def __repr__(self) -> str:
         return f"MemoryStore(name={self.name!r})" if self.name is not None else "MemoryStore()"
+
+    def describe(self) -> str:
+        return f"memory://{self.name}" if self.name is not None else repr(self)
+
+    def _identity(self) -> Hashable:
+        # every handle on memory://<name> is that store; an unnamed one is only itself
+        return ("memory", self.name) if self.name is not None else super()._identity()
 
     def reopen(self) -> MemoryStore:
         """Another handle on the same objects (what another process would open)."""

@@ -18,7 +18,7 @@ connections of idempotent requests (GET, HEAD, LIST, PUT); it is configured from
 policy. ldformat adds a retry around what obstore does not retry: an exclusive create (sent
 with obstore's retry off, see below), a delete (a POST that obstore does not resend), and a
 response body cut off while it is read. Nothing is retried twice over: an error obstore has
-already retried is reported as it is.
+already retried is reported as it is. What a failure means, and the policy, are :mod:`.retry`.
 
 An exclusive create whose outcome is unknown (the connection dropped, or the server failed,
 after the request was sent) is sent again; if the object then exists, it is read back, and
@@ -32,21 +32,18 @@ from __future__ import annotations
 
 import errno
 import os
-import random
-import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from ..errors import UsageError
 from .base import Part, Store, byte_view, check_relative_path, refuse_larger
+from .retry import RETRY_OPTION_KEYS, ObjectStoreError, RetryPolicy, _classify, _Failure, _first_line, _retry_policy
 
 if TYPE_CHECKING:
     from obstore import GetOptions
@@ -73,26 +70,9 @@ CLIENT_OPTION_KEYS = frozenset({
     "proxy_excludes", "randomize_addresses", "read_timeout", "root_certificate", "timeout", "user_agent",
 })
 
-#: ``storage_options`` keys of the retry policy (see :class:`RetryPolicy`).
-RETRY_OPTION_KEYS = {
-    "max_retries": "tries - 1",
-    "retry_timeout": "total, in seconds",
-    "retry_init_backoff": "initial_backoff, in seconds",
-    "retry_max_backoff": "max_backoff, in seconds",
-}
-
 #: The environment variable prefix of each cloud's client options (``AWS_ALLOW_HTTP``, ...).
 _ENV_PREFIX = {"s3": "AWS_", "s3a": "AWS_", "gs": "GOOGLE_", "az": "AZURE_", "azure": "AZURE_",
                "abfs": "AZURE_", "abfss": "AZURE_", "adl": "AZURE_"}
-
-_STATUS = re.compile(r"status code: (\d{3})")
-_RETRIED = re.compile(r"after (\d+) retries")
-_CODE = re.compile(r"<Code>([^<]{1,64})</Code>")
-_TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-_CONNECTION_WORDS = ("error sending request", "connection", "connect error", "reset", "broken pipe",
-                     "error decoding response body", "incomplete", "unexpected eof", "body error")
-_TIMEOUT_WORDS = ("timed out", "timeout", "deadline has elapsed")
-
 
 def require_obstore() -> Any:
     """Import obstore, or raise :class:`UsageError` saying how to install it."""
@@ -104,65 +84,6 @@ def require_obstore() -> Any:
             "pip install 'ldformat[s3]'"
         ) from None
     return obstore
-
-
-class ObjectStoreError(OSError):
-    """A failure of an object store request that is neither a missing nor an existing object.
-
-    ``errno`` says what kind (``EIO``, ``EAGAIN`` for throttling, ``ECONNRESET``,
-    ``ETIMEDOUT``, ``EACCES``, ``ENOENT`` for a missing bucket, ...), ``filename`` is the URL
-    of the object and ``strerror`` what failed and what to do. Being a subclass, it is never a
-    :class:`FileNotFoundError` or :class:`FileExistsError`, which keep their contract meaning
-    (no such object; lost an exclusive create) even when ``errno`` is ``ENOENT``.
-    """
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How transient failures are retried (see the module documentation for which).
-
-    Attributes:
-        tries: attempts of one request in all (the first included), at least 1.
-        initial_backoff: seconds before the first retry; doubled for each next one (with
-            jitter), up to ``max_backoff``.
-        max_backoff: the longest wait between two attempts, in seconds.
-        total: no retry starts later than this many seconds after the first attempt.
-    """
-
-    tries: int = 5
-    initial_backoff: float = 0.1
-    max_backoff: float = 5.0
-    total: float = 30.0
-
-    def __post_init__(self) -> None:
-        if self.tries < 1 or self.initial_backoff < 0 or self.max_backoff < 0 or self.total < 0:
-            raise UsageError(f"RetryPolicy: tries must be >= 1 and times >= 0 (got {self})")
-
-    def obstore_config(self) -> dict[str, Any]:
-        """The same policy as obstore's ``RetryConfig``."""
-        return {
-            "max_retries": self.tries - 1,
-            "retry_timeout": timedelta(seconds=self.total),
-            "backoff": {"init_backoff": timedelta(seconds=self.initial_backoff),
-                        "max_backoff": timedelta(seconds=max(self.max_backoff, self.initial_backoff)), "base": 2},
-        }
-
-    def backoff(self, retry: int) -> float:
-        """Seconds to wait before retry number ``retry`` (1, 2, ...): exponential, half jittered."""
-        full = min(self.max_backoff, self.initial_backoff * 2.0 ** (retry - 1))
-        return full / 2 + random.uniform(0, full / 2)
-
-
-@dataclass
-class _Failure:
-    """What went wrong in one attempt, in the terms the retry loop and the caller need."""
-
-    errno: int
-    summary: str
-    transient: bool
-    retried_inside: int  # how many times obstore already retried it
-    error: BaseException
-    builder: bool = False  # obstore could not set up its HTTP client (a plain http:// endpoint not allowed)
 
 
 class ObjectStore(Store):
@@ -255,6 +176,16 @@ class ObjectStore(Store):
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
+
+    def describe(self) -> str:
+        return self.url
+
+    @property
+    def is_remote(self) -> bool:
+        return True
+
+    def _identity(self) -> Hashable:
+        return ("object", self.url)
 
     def url_of(self, path: str) -> str:
         """The URL of the object ``path`` (for messages)."""
@@ -542,61 +473,6 @@ def _pieces(views: list[memoryview], size: int) -> Iterator[memoryview]:
             yield view[start:start + size]
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0] if text else type(e).__name__
-    return line[:500]
-
-
-def _classify(e: BaseException) -> _Failure | None:
-    """What an exception from obstore (or from a ranged read) means; None: not a storage error."""
-    try:
-        from obstore.exceptions import (
-            BaseError,
-            NotSupportedError,
-            PermissionDeniedError,
-            PreconditionError,
-            UnauthenticatedError,
-        )
-    except ImportError:  # pragma: no cover - ObjectStore cannot exist without obstore
-        return None
-    if isinstance(e, (FileExistsError, UsageError)):
-        return None  # already what the contract wants
-    text = str(e)
-    first = _first_line(e)
-    # What failed, without obstore's preamble (request, URL, retry counts).
-    detail = first.rsplit(" - ", 1)[-1].strip() if " - " in first else first
-    lower = re.sub(r"retry_timeout: \S+", "", text).lower()
-    retried = _RETRIED.search(text)
-    retried_inside = int(retried.group(1)) if retried is not None else 0
-    status_match = _STATUS.search(text)
-    status = int(status_match.group(1)) if status_match else None
-    code_match = _CODE.search(text)
-    code = code_match.group(1) if code_match else None
-    if "NoSuchBucket" in text:
-        return _Failure(errno.ENOENT, "the bucket does not exist (NoSuchBucket)", False, retried_inside, e)
-    if isinstance(e, FileNotFoundError):
-        return _Failure(errno.ENOENT, "no such object", False, retried_inside, e)
-    if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or status in (401, 403):
-        return _Failure(errno.EACCES, f"HTTP {status or ''} {code or ''}".strip() + f" ({detail})", False,
-                        retried_inside, e)
-    if isinstance(e, PreconditionError):  # a ranged read found the object replaced meanwhile
-        return _Failure(errno.EAGAIN, "the object changed while it was read", True, 0, e)
-    if isinstance(e, NotSupportedError):
-        return _Failure(errno.EOPNOTSUPP, f"not supported by this store ({detail})", False, retried_inside, e)
-    described = f"HTTP {status}" + (f" {code}" if code else "") if status is not None else None
-    if status in _TRANSIENT_STATUS:
-        code_errno = errno.EAGAIN if status in (429, 503) else errno.EIO
-        return _Failure(code_errno, described or "", True, retried_inside, e)
-    if isinstance(e, (TimeoutError,)) or (status is None and any(w in lower for w in _TIMEOUT_WORDS)):
-        return _Failure(errno.ETIMEDOUT, f"timed out ({detail})", True, retried_inside, e)
-    if isinstance(e, ConnectionError) or (status is None and any(w in lower for w in _CONNECTION_WORDS)):
-        return _Failure(errno.ECONNRESET, f"connection failed ({detail})", True, retried_inside, e)
-    if isinstance(e, (BaseError, OSError)):
-        return _Failure(errno.EIO, described or detail, False, retried_inside, e, "builder error" in lower)
-    return None
-
-
 #: ``storage_options`` keys and environment variables that set an object store's endpoint.
 _ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "azure_storage_endpoint",
                   "google_service_endpoint")
@@ -615,23 +491,3 @@ def _endpoint(scheme: str, url: str, options: Mapping[str, Any]) -> str | None:
         if os.environ.get(name):
             return os.environ[name]
     return None
-
-
-def _retry_policy(policy: RetryPolicy, options: dict[str, Any], url: str) -> RetryPolicy:
-    """``policy`` with the retry keys of ``options`` applied (and removed from ``options``)."""
-    fields: dict[str, Any] = {}
-    names = {"max_retries": "tries", "retry_timeout": "total", "retry_init_backoff": "initial_backoff",
-             "retry_max_backoff": "max_backoff"}
-    for key, name in names.items():
-        if key not in options:
-            continue
-        value = options.pop(key)
-        try:
-            fields[name] = int(value) + 1 if key == "max_retries" else float(value)
-        except (TypeError, ValueError):
-            raise UsageError(f"{url}: retry setting {key}={value!r} is not a number") from None
-    if not fields:
-        return policy
-    return RetryPolicy(**{**{f: getattr(policy, f) for f in ("tries", "initial_backoff", "max_backoff", "total")},
-                          **fields})
-

@@ -3,26 +3,35 @@ sharded chain, spec §20.1)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .base import Store, check_relative_path
+from .base import Store, WrapperStore, check_relative_path
 
 
-class PrefixedStore(Store):
+class PrefixedStore(WrapperStore):
     """The objects of ``inner`` below ``prefix``, as a store of their own: one rank chain of
     a sharded chain given as a :class:`~ldformat.stores.Store` or a local directory (syncing
     an object makes every directory up to the sharded chain's own durable, spec §20.3.3
-    rule D)."""
+    rule D). Messages name it ``<inner>/<prefix>``; it is remote if ``inner`` is, and the
+    same location only as itself."""
 
     def __init__(self, inner: Store, prefix: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.prefix = check_relative_path(prefix)
 
     def __repr__(self) -> str:
         return f"PrefixedStore({self.inner!r}, {self.prefix!r})"
+
+    def describe(self) -> str:
+        return f"{self.inner.describe()}/{self.prefix}"
+
+    def _identity(self) -> Hashable:
+        # as before stores knew their location: a view is the same location only as itself
+        return Store._identity(self)
 
     def _path(self, path: str) -> str:
         return f"{self.prefix}/{check_relative_path(path)}"

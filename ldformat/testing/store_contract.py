@@ -19,6 +19,9 @@ handle, another process, a simulated crash)::
 
 The class is not collected by itself (its name does not start with ``Test``). Each test
 gets a fresh, empty store from the fixture.
+
+It is one module although it is long: the suite is one contract, subclassed once per
+backend, and a backend that took only part of it would pass without keeping the rest.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import pytest
 from ..errors import CorruptChainError
 from ..stores.base import WRITEBACK_CHUNK, ObjectTooLargeError, Part, Store
 from ..stores.crc32c import crc32c_extend
+from ..stores.faults import FaultyStore
 
 __all__ = ["UNSAFE_PATHS", "StoreContract"]
 
@@ -628,6 +632,18 @@ class StoreContract(Generic[StoreT]):
             return  # the backend has no local files: nothing more to check
         assert isinstance(local, Path)
         assert local.read_bytes() == b"zero-copy"
+
+    # -- identity ----------------------------------------------------------------------------
+    def test_a_store_knows_its_location(self, store: StoreT) -> None:
+        """A store is the same location as itself (``==``, :func:`hash`), and so is a wrapper
+        that passes its calls through; it has a name for messages and says whether it is remote."""
+        wrapped = FaultyStore(store)
+        assert store == store and hash(store) == hash(store)
+        assert wrapped == store and store == wrapped and hash(wrapped) == hash(store)
+        assert store != object()
+        name = store.describe()
+        assert isinstance(name, str) and name and wrapped.describe() == name
+        assert isinstance(store.is_remote, bool) and wrapped.is_remote == store.is_remote
 
 
 def _child_content(child: int, name: str) -> bytes:
