@@ -216,7 +216,6 @@ class Checkpointer:
         >>> ck.close()                                                           # doctest: +SKIP
     """
 
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -315,7 +314,6 @@ class Checkpointer:
     writer: _Part[ChainWriter] = _Part()
     mirror_timeout: _Part[float] = _Part()
     commit_timeout: _Part[float] = _Part()
-
 
     @staticmethod
     def _data_position(data: Stateful | None, sampler: Stateful | None) -> Stateful | None:
