@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
+from ..api import sync
 from ..chain.commit import open_log_for_write
 from ..chain.lock import WriterLock
 from ..chain.reader import ChainReader, step_not_found
 from ..chain.records import ROOT_FILE
-from ..api import sync
 from ..chain.replicate import ReplicaDivergedError
 from ..chain.sharded_probe import is_sharded
 from ..chain.writer import ChainWriter

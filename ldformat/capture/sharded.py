@@ -90,7 +90,7 @@ def _refuse_optimizer(optimizer: torch.optim.Optimizer, kind: str) -> None:
 
 
 def _own_layout(model: torch.nn.Module, rank: int) -> dict[str, tuple[str, list[int], list[int], list[int]]]:
-    from ..format.jsonvalue import dtype_name
+    from ..format.dtypes import dtype_name
 
     out = {}
     seen: set[int] = set()
