@@ -8,7 +8,9 @@ relative update ``‖Δw‖/‖w‖``, the weight norm and Adam's ``exp_avg_sq``
 bytes the step took, and whether its loss or relative update jumped (:class:`SpikeDetector`).
 Every number comes from the replayed state, which is the recorded state bit for bit.
 
-:func:`diff_states` compares two states tensor by tensor (``ldtools diff``).
+The stats and the spike detector are :mod:`.step_stats`; :func:`diff_states`, which compares
+two states tensor by tensor (``ldtools diff``), is :mod:`.diff`. Both are imported from here
+as before.
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
-from collections import deque
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -33,128 +33,17 @@ from ..format.manifest import StepEntry
 from ..format.replay import Replayer
 from ..sharded.chain import ShardedReader, open_reader
 from ..sharded.layout import Layout, assemble
-
-#: The trailing window of the spike detector, in present steps.
-SPIKE_WINDOW = 20
-#: Steps of history needed before the detector flags anything.
-SPIKE_MIN_HISTORY = 5
-#: Robust z-score ``0.6745 (x − median) / MAD`` above which a value is a spike (Iglewicz and
-#: Hoaglin's outlier rule).
-SPIKE_THRESHOLD = 3.5
-
-
-@dataclass(frozen=True, kw_only=True)
-class GroupStats:
-    """The parameters of one module prefix at one step.
-
-    ``update_norm`` and ``relative_update`` are ``None`` when the previous step's state is not
-    known (the range's first step is the chain's first). ``v_mean``/``v_max``: of Adam's
-    ``exp_avg_sq`` over the group's parameters, ``None`` where the optimizer has none.
-    """
-
-    name: str
-    numel: int
-    weight_norm: float
-    update_norm: float | None
-    relative_update: float | None
-    v_mean: float | None = None
-    v_max: float | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "numel": self.numel, "weight_norm": self.weight_norm,
-                "update_norm": self.update_norm, "relative_update": self.relative_update,
-                "v_mean": self.v_mean, "v_max": self.v_max}
-
-
-@dataclass(frozen=True, kw_only=True)
-class StepStats:
-    """One step of a chain's history.
-
-    ``present`` is ``False`` for a step the chain no longer holds (compacted away): such a
-    step has no numbers, and the next present step's update spans the gap (``since``).
-    ``flags`` names what jumped: ``"loss"``, ``"relative_update"``, or ``"nonfinite_loss"``.
-    """
-
-    step: int
-    present: bool = True
-    anchor: bool = False
-    since: int | None = None  # the step the update is measured from
-    scalars: dict[str, float] = field(default_factory=dict)
-    lrs: tuple[float, ...] = ()
-    weight_norm: float | None = None
-    update_norm: float | None = None
-    relative_update: float | None = None
-    groups: tuple[GroupStats, ...] = ()
-    bytes: int = 0
-    flags: tuple[str, ...] = ()
-
-    @property
-    def loss(self) -> float | None:
-        return self.scalars.get("loss")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able: non-finite floats as the strings ``"nan"``, ``"inf"``, ``"-inf"``."""
-        return {"step": self.step, "present": self.present, "anchor": self.anchor, "since": self.since,
-                "scalars": {k: _json_float(v) for k, v in self.scalars.items()}, "lrs": list(self.lrs),
-                "weight_norm": self.weight_norm, "update_norm": self.update_norm,
-                "relative_update": self.relative_update, "bytes": self.bytes, "flags": list(self.flags),
-                "groups": [g.to_dict() for g in self.groups]}
-
-
-def _json_float(v: float) -> float | str:
-    return v if math.isfinite(v) else repr(v)
-
-
-def group_of(name: str, depth: int) -> str:
-    """The module prefix of parameter ``name`` at ``depth`` (``"layers.3"`` for
-    ``"layers.3.attn.weight"`` at depth 2); never the parameter's own last component."""
-    parts = name.split(".")
-    return ".".join(parts[: max(1, min(depth, len(parts) - 1))])
-
-
-class SpikeDetector:
-    """Flags a value whose robust z-score against the trailing window exceeds the threshold.
-
-    Only upward jumps count (a loss that drops is not a problem). With a MAD of zero (a
-    window of equal values), any larger value counts as a jump. Non-finite values are always
-    flagged and never enter the window.
-    """
-
-    def __init__(self, window: int = SPIKE_WINDOW, threshold: float = SPIKE_THRESHOLD,
-                 min_history: int = SPIKE_MIN_HISTORY) -> None:
-        self.threshold, self.min_history = threshold, min_history
-        self.values: deque[float] = deque(maxlen=window)
-
-    def score(self, x: float) -> float | None:
-        """The robust z-score of ``x`` (``inf`` for a non-finite ``x``), None without enough history."""
-        if not math.isfinite(x):
-            return math.inf
-        if len(self.values) < self.min_history:
-            return None
-        med = statistics.median(self.values)
-        mad = statistics.median(abs(v - med) for v in self.values)
-        if mad == 0.0:
-            return math.inf if x > med else 0.0
-        return 0.6745 * (x - med) / mad
-
-    def add(self, x: float) -> bool:
-        """Score ``x`` then add it to the window; True if it is a spike."""
-        z = self.score(x)
-        if math.isfinite(x):
-            self.values.append(x)
-        return z is not None and z > self.threshold
-
-
-def rollback_step(history: list[StepStats]) -> int | None:
-    """The last present step before the first flagged one: the state to roll back to."""
-    last: int | None = None
-    for s in history:
-        if s.flags:
-            return last
-        if s.present:
-            last = s.step
-    return None
-
+from .diff import TensorDiff, _ratio, diff_states, diff_steps, diff_tensor, stored_tensors
+from .step_stats import SPIKE_MIN_HISTORY as SPIKE_MIN_HISTORY
+from .step_stats import (
+    SPIKE_THRESHOLD,
+    SPIKE_WINDOW,
+    GroupStats,
+    SpikeDetector,
+    StepStats,
+    group_of,
+    rollback_step,
+)
 
 # -- replaying a range once ------------------------------------------------------------------
 #: Parameters of fewer elements are measured on the calling thread: handing them to the pool
@@ -270,10 +159,6 @@ def _sq(t: torch.Tensor) -> float:
     about 1e-6 for float32), a pass over memory at SIMD speed; a float64 accumulation costs 4x
     and the measuring would weigh more than the replay it follows."""
     return float(torch.linalg.vector_norm(t)) ** 2
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b > 0 else (0.0 if a == 0 else math.inf)
 
 
 def _weights(replayer: Replayer, names: Sequence[str]) -> list[torch.Tensor | None]:
@@ -619,91 +504,6 @@ def _record(frame: _Frame, measured: tuple[float, float | None, tuple[GroupStats
     return StepStats(step=frame.step, anchor=anchor, since=frame.since, scalars=scalars, lrs=lrs, weight_norm=weight,
                      update_norm=update, relative_update=_ratio(update, weight) if update is not None else None,
                      groups=groups, bytes=nbytes)
-
-
-# -- comparing two states ----------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class TensorDiff:
-    """How tensor ``name`` differs between state A and state B.
-
-    ``status``: ``"same"``, ``"changed"``, ``"only_a"``, ``"only_b"`` or ``"mismatch"`` (dtype or
-    shape differ: no numbers). ``changed_fraction`` counts elements whose bits differ;
-    ``first_index`` is the first such element (flat index, row-major).
-    """
-
-    name: str
-    status: str
-    dtype: str = ""
-    shape: tuple[int, ...] = ()
-    max_abs: float | None = None
-    relative_norm: float | None = None
-    changed_fraction: float | None = None
-    first_index: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "status": self.status, "dtype": self.dtype, "shape": list(self.shape),
-                "max_abs": self.max_abs, "relative_norm": self.relative_norm,
-                "changed_fraction": self.changed_fraction, "first_index": self.first_index}
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def diff_tensor(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
-    """Compare one tensor of two states (bits for what changed, float64 for the sizes)."""
-    dtype = str(a.dtype).removeprefix("torch.")
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return TensorDiff(name=name, status="mismatch", dtype=f"{dtype} / {str(b.dtype).removeprefix('torch.')}",
-                          shape=tuple(a.shape))
-    changed = _bits(a) != _bits(b)
-    n = int(changed.sum())
-    if n == 0:
-        return TensorDiff(name=name, status="same", dtype=dtype, shape=tuple(a.shape), max_abs=0.0,
-                          relative_norm=0.0, changed_fraction=0.0)
-    first = int(changed.nonzero()[0, 0])
-    fa = a.detach().reshape(-1).to(torch.float64) if not a.is_complex() else a.detach().reshape(-1).abs().double()
-    fb = b.detach().reshape(-1).to(torch.float64) if not b.is_complex() else b.detach().reshape(-1).abs().double()
-    d = fa - fb
-    return TensorDiff(name=name, status="changed", dtype=dtype, shape=tuple(a.shape),
-                      max_abs=float(d.abs().max()), relative_norm=_ratio(float(d.norm()), float(fa.norm())),
-                      changed_fraction=n / changed.numel(), first_index=first)
-
-
-def diff_states(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> list[TensorDiff]:
-    """Every tensor of ``a`` and ``b`` (stored names, spec §8), in ``a``'s order then ``b``'s extras."""
-    out = [diff_tensor(n, t, b[n]) if n in b else TensorDiff(name=n, status="only_a") for n, t in a.items()]
-    out += [TensorDiff(name=n, status="only_b") for n in b if n not in a]
-    return out
-
-
-def diff_steps(chain: str | os.PathLike[str] | ChainReader | ShardedReader, step_a: int, step_b: int,
-               other: str | os.PathLike[str] | ChainReader | ShardedReader | None = None) -> list[TensorDiff]:
-    """:func:`diff_states` of ``step_a`` of ``chain`` and ``step_b`` of ``other`` (default the
-    same chain). A sharded chain's state is the full one (spec §20.4), by FQN."""
-    ra = chain if isinstance(chain, (ChainReader, ShardedReader)) else open_reader(chain)
-    rb = ra if other is None else other if isinstance(other, (ChainReader, ShardedReader)) else open_reader(other)
-    a = {n: t.clone() for n, t in stored_tensors(ra, step_a).items()}  # a replayer's own tensors
-    return diff_states(a, stored_tensors(rb, step_b))
-
-
-def stored_tensors(reader: ChainReader | ShardedReader, step: int) -> dict[str, torch.Tensor]:
-    """The tensors of ``step``'s state by stored name (spec §8): ``model/<FQN>`` and
-    ``optimizer/<i>/<key>``. A sharded chain's are the full tensors, assembled from the shards
-    (:meth:`ShardedReader.materialize`), under the names a plain chain of the same model has."""
-    if isinstance(reader, ChainReader):
-        return reader.stored_tensors(step)
-    state = reader.materialize(step)
-    schema = reader.ranks[0].root.schema
-    aliases = {e["name"] for e in schema["model"] if e.get("alias_of") is not None}
-    out = {f"model/{n}": t for n, t in state["model"].items() if n not in aliases and isinstance(t, torch.Tensor)}
-    for i, entry in state["optimizer"].get("state", {}).items():
-        if isinstance(entry, dict):
-            out.update({f"optimizer/{i}/{k}": v for k, v in entry.items() if isinstance(v, torch.Tensor)})
-    return out
 
 
 __all__ = ["GroupStats", "SPIKE_THRESHOLD", "SPIKE_WINDOW", "SpikeDetector", "StepStats", "TensorDiff",

@@ -4,6 +4,10 @@
 This module parses and validates the root file, records and segment objects; it does no I/O
 and no tensor work. Folding records is :mod:`ldformat.format.fold`. Reading them from storage, creating
 them and everything else about committing lives in :mod:`ldformat.chain.records`.
+
+It is one module: the root, a record, its entries and its segments are one document model,
+parsed by the same field validators and nested in one another (a record holds entries and
+segment references, a segment holds entries).
 """
 
 from __future__ import annotations
@@ -18,16 +22,8 @@ from typing import Any, Literal, TypeVar, get_args
 from ..errors import CorruptChainError, FormatError, NotAChainError, UnsupportedVersionError
 from ..stores import check_relative_path
 from ..stores.crc32c import crc32c_hex
-from .jsonvalue import (
-    JSON,
-    MAX_RECORD_BYTES,
-    MAX_ROOT_BYTES,
-    JSONObject,
-    canonical,
-    parse_json,
-    verify_checksum,
-    with_checksum,
-)
+from .checksum import verify_checksum, with_checksum
+from .jsonvalue import JSON, MAX_RECORD_BYTES, MAX_ROOT_BYTES, JSONObject, canonical, parse_json
 
 FORMAT_NAME = "ldformat"
 #: What an ordinary chain (and a rank chain of a sharded chain) is written as: 1.6 adds the

@@ -41,6 +41,10 @@ Limits (the Trainer's own checkpoints share the first two):
   only, which the capture runtime refuses with several ranks except in ``lowdiff`` mode
   with a ``ResidualPeer`` on every other rank, and the other processes' RNG states are not
   recorded.
+
+The callback and :func:`write_trainer_checkpoint` stay one module: they are the two halves of
+one round trip, and the record under ``extra.user.hf_trainer`` (``_Recorded``) and the
+Trainer's file names they share are private to it.
 """
 
 from __future__ import annotations
