@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Generic, TypeVar, cast, overload
 
+import numpy as np
 import torch
 
 from ..errors import UsageError
@@ -46,7 +47,7 @@ from ..format.delta import check_slots
 from ..format.environment import current_environment
 from ..format.fold import ChainState
 from ..format.jsonvalue import JSON, encode
-from ..format.manifest import FORMAT_VERSION, RootMetadata, StepEntry
+from ..format.manifest import FORMAT_VERSION, Encoding, RootMetadata, StepEntry
 from ..format.state import encode_param_groups
 from ..format.topk import TopK
 from ..stores import Store
@@ -129,8 +130,8 @@ class ChainWriter:
     # Private names that tests and benchmarks read or set on a writer.
     _lock: _OnRole[WriterLock | None] = _OnRole("_guard", "lock")
     _state: _OnRole[ChainState] = _OnRole("_guard", "state")
-    _state_encoding: _OnRole[Any] = _OnRole("_rows", "state_encoding")
-    _xor_base: _OnRole[dict[str, Any]] = _OnRole("_rows", "xor_base")
+    _state_encoding: _OnRole[Encoding] = _OnRole("_rows", "state_encoding")
+    _xor_base: _OnRole[dict[str, np.ndarray]] = _OnRole("_rows", "xor_base")
 
     def __init__(
         self,
