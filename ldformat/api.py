@@ -24,7 +24,7 @@ from .sharded.chain import open_reader
 from .sharded.maintenance import compact_sharded, truncate_sharded
 from .sharded.replicate import sync_sharded
 from .sharded.validate import validate_sharded
-from .stores import Store
+from .stores import Store, StoreOrPath
 
 __all__ = ["compact", "open_reader", "sync", "truncate", "validate"]
 
@@ -92,8 +92,8 @@ def truncate(path: str | os.PathLike[str], after: int, *, store: Store | None = 
 
 
 def sync(
-    src: str | os.PathLike[str] | Store,
-    dst: str | os.PathLike[str] | Store,
+    src: StoreOrPath,
+    dst: StoreOrPath,
     *,
     progress: Progress | None = None,
     workers: int = WORKERS,

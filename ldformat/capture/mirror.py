@@ -25,8 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..api import sync
-from ..chain.replicate import ReplicaDivergedError, SyncReport, describe_store
-from ..stores import Store
+from ..chain.replicate import ReplicaDivergedError, SyncReport
+from ..stores import Store, StoreOrPath
 from .stats import CaptureStats
 
 log = logging.getLogger("ldformat.capture")
@@ -35,13 +35,12 @@ FIRST_RETRY_S = 1.0
 MAX_RETRY_S = 60.0
 DEFAULT_MIRROR_TIMEOUT_S = 60.0
 
-Location = str | os.PathLike[str] | Store
 
 
-def describe(location: Location) -> str:
+def describe(location: StoreOrPath) -> str:
     """The location as messages name it."""
     if isinstance(location, Store):
-        return describe_store(location)
+        return location.describe()
     return os.fspath(location)
 
 
@@ -57,7 +56,7 @@ class Mirror:
         sync_fn: the sync function (default :func:`ldformat.sync`).
     """
 
-    def __init__(self, src: Location, dst: Location, *, stats: CaptureStats,
+    def __init__(self, src: StoreOrPath, dst: StoreOrPath, *, stats: CaptureStats,
                  src_options: dict[str, Any] | None = None, dst_options: dict[str, Any] | None = None,
                  first_retry_s: float | None = None, max_retry_s: float | None = None,
                  sync_fn: Callable[..., SyncReport] | None = None) -> None:

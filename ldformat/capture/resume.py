@@ -29,7 +29,7 @@ from ..format.manifest import FORMAT_VERSION, NEWEST_VERSION, Kind
 from ..format.state import optimizer_class_name
 from ..format.topk import TopK
 from ..sharded.chain import ShardedReader, assemble_state, extra_of_rank
-from ..stores import Store, location_name, parse_location
+from ..stores import Store, StoreOrPath, location_name, parse_location
 from ..stores import open_store as open_location
 from .extra import Stateful
 from .rng import restore_optimizer_rng, restore_rng
@@ -84,7 +84,7 @@ def resume(
     rank: int | None = None,
     store: Store | None = None,
     storage_options: dict[str, Any] | None = None,
-    mirror: str | os.PathLike[str] | Store | None = None,
+    mirror: StoreOrPath | None = None,
     mirror_options: dict[str, Any] | None = None,
 ) -> int:
     """Restore the live training objects from a chain; returns the restored step.
@@ -289,7 +289,7 @@ def _resume_sharded(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     return step
 
 
-def _latest(path: str | os.PathLike[str] | Store, store: Store | None,
+def _latest(path: StoreOrPath, store: Store | None,
             options: dict[str, Any] | None) -> tuple[ChainReader | None, str | None]:
     """The chain at a location and its latest step, or None and why it holds no readable chain."""
     try:
@@ -306,7 +306,7 @@ def _latest(path: str | os.PathLike[str] | Store, store: Store | None,
         return None, f"{type(e).__name__}: {e}"
 
 
-def _newest(path: str, store: Store | None, mirror: str | os.PathLike[str] | Store,
+def _newest(path: str, store: Store | None, mirror: StoreOrPath,
             mirror_options: dict[str, Any] | None) -> ChainReader | None:
     """The reader to resume from, local ``path`` or ``mirror`` (the rule of :func:`resume`)."""
     from .mirror import describe

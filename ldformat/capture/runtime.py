@@ -39,7 +39,7 @@ import torch
 from ..errors import UsageError
 from ..format.manifest import Kind
 from ..format.topk import TopK
-from ..stores import Store
+from ..stores import Store, StoreOrPath
 from .background import BackgroundWriter, Queued
 from .cadence import Cadence
 from .closing import Closing
@@ -48,7 +48,7 @@ from .extra import Stateful, check_scalars, loop_extra
 from .hooks import open_at_exit
 from .host_memory import HostPlan, staging_sets
 from .lifecycle import OpenStep, StepLifecycle
-from .mirror import DEFAULT_MIRROR_TIMEOUT_S, Location
+from .mirror import DEFAULT_MIRROR_TIMEOUT_S
 from .options import CaptureOptions
 from .parts import Parts
 from .pieces import PIECE_ALIGN, PIECES, PieceReader
@@ -246,7 +246,7 @@ class Checkpointer:
         store: Store | None = None,
         process_group: dist.ProcessGroup | None = None,
         storage_options: dict[str, Any] | None = None,
-        mirror: Location | None = None,
+        mirror: StoreOrPath | None = None,
         mirror_options: dict[str, Any] | None = None,
         mirror_timeout: float = DEFAULT_MIRROR_TIMEOUT_S,
         commit_timeout: float = DEFAULT_COMMIT_TIMEOUT_S,

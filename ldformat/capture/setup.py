@@ -24,7 +24,7 @@ from ..chain.writer import ChainWriter, build_schema
 from ..errors import UsageError
 from ..format.dtensors import has_dtensors
 from ..format.topk import TopK
-from ..stores import Store
+from ..stores import Store, StoreOrPath
 from .background import BackgroundWriter
 from .cadence import Cadence
 from .ddp import ExchangeThread, ExtrasPeer, RankExtras, ResidualPeer, world_size
@@ -32,7 +32,7 @@ from .extra import Stateful
 from .hooks import Hooks
 from .host_memory import staging_sets
 from .lifecycle import StepLifecycle
-from .mirror import Location, Mirror
+from .mirror import Mirror
 from .parts import Parts
 from .pieces import PieceReading
 from .replica import Replica
@@ -373,7 +373,7 @@ class CheckpointerSetup:
             # place without bumping their version counters: re-copy every staged gradient.
             hooks.call_after(parts.scaler, "unscale_", life.forget_staged)
 
-    def start_mirror(self, mirror: Location | None, mirror_options: dict[str, Any] | None) -> None:
+    def start_mirror(self, mirror: StoreOrPath | None, mirror_options: dict[str, Any] | None) -> None:
         """Replicate the chain in the background (the Checkpointer's ``mirror``): after each local commit."""
         parts = self.parts
         if mirror is not None and parts.sharded:

@@ -21,7 +21,6 @@ replica's lock across calls (kept held, or taken up again) is :mod:`.replica_loc
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -40,7 +39,7 @@ from ..format.checksum import object_checksum_parts, object_checksum_seed
 from ..format.fold import ChainState
 from ..format.jsonvalue import MAX_RECORD_BYTES, MAX_ROOT_BYTES
 from ..format.manifest import ObjectRef, Record, RootMetadata, Segment, SegmentRef, expand
-from ..stores import Store, open_store, parse_location
+from ..stores import Store, StoreOrPath, open_store, parse_location
 from ..stores.local import make_directory
 from .commit import collect_garbage
 from .lock import WriterLock
@@ -78,8 +77,8 @@ STREAM_BYTES = 64 << 20
 STREAM_CHUNK = 8 << 20
 
 def sync(
-    src: str | os.PathLike[str] | Store,
-    dst: str | os.PathLike[str] | Store,
+    src: StoreOrPath,
+    dst: StoreOrPath,
     *,
     progress: Progress | None = None,
     workers: int = WORKERS,
@@ -99,7 +98,7 @@ def sync(
                        lock_wait=lock_wait, dst_options=dst_options, started=started)
 
 
-def sync_opened(src_store: Store, src_name: str, dst: str | os.PathLike[str] | Store, *, progress: Progress | None,
+def sync_opened(src_store: Store, src_name: str, dst: StoreOrPath, *, progress: Progress | None,
                 workers: int, break_lock: bool, lock_wait: float, dst_options: dict[str, Any] | None,
                 started: float) -> SyncReport:
     """:func:`sync` of the ordinary chain in ``src_store``, opened by the caller at ``started``."""
@@ -124,7 +123,7 @@ def sync_opened(src_store: Store, src_name: str, dst: str | os.PathLike[str] | S
     return report
 
 
-def _refuse_sharded_dst(dst: str | os.PathLike[str] | Store, options: dict[str, Any] | None, src_name: str) -> None:
+def _refuse_sharded_dst(dst: StoreOrPath, options: dict[str, Any] | None, src_name: str) -> None:
     """An ordinary chain is not synced into a sharded chain, nor into one rank chain of one."""
     if isinstance(dst, Store):
         here, name = is_sharded(dst), describe_store(dst)
@@ -137,7 +136,7 @@ def _refuse_sharded_dst(dst: str | os.PathLike[str] | Store, options: dict[str, 
         refuse_sharded(dst, None, options, "synced into")  # one rank's chain of a sharded chain
 
 
-def open_location(location: str | os.PathLike[str] | Store, options: dict[str, Any] | None,
+def open_location(location: StoreOrPath, options: dict[str, Any] | None,
                   create: bool) -> tuple[Store, str]:
     if isinstance(location, Store):
         if options:

@@ -65,7 +65,6 @@ import numpy as np
 import torch
 
 from ..capture.extra import Stateful
-from ..capture.mirror import Location
 from ..capture.options import CaptureOptions
 from ..capture.rng import RngState, capture_rng
 from ..capture.runtime import Checkpointer, Mode
@@ -74,7 +73,7 @@ from ..chain.reader import ChainReader
 from ..errors import LdformatError, NotAChainError, UsageError
 from ..format.jsonvalue import JSON, decode
 from ..format.topk import TopK
-from ..stores import Store
+from ..stores import Store, StoreOrPath
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -132,7 +131,7 @@ class _CheckpointerOptions(TypedDict, total=False):
     store: Store | None
     process_group: dist.ProcessGroup | None
     storage_options: dict[str, Any] | None  # Any: as Checkpointer and ChainReader take them
-    mirror: Location | None
+    mirror: StoreOrPath | None
     mirror_options: dict[str, Any] | None
     mirror_timeout: float
     commit_timeout: float

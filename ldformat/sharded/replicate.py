@@ -10,7 +10,6 @@ of the source).
 from __future__ import annotations
 
 import bisect
-import os
 import time
 from typing import Any
 
@@ -30,7 +29,7 @@ from ..chain.sharded_probe import RANKS_DIR, SHARDED_ROOT, is_sharded_location, 
 from ..errors import ChainLockedError, CorruptChainError, LdformatError, NotAChainError, UsageError
 from ..format.jsonvalue import MAX_ROOT_BYTES
 from ..format.manifest import Record, RootMetadata
-from ..stores import Store, open_store, parse_location
+from ..stores import Store, StoreOrPath, open_store, parse_location
 from ..stores.prefixed import PrefixedStore
 from .chain import (
     COMMITS_DIR,
@@ -48,7 +47,7 @@ from .chain import (
 SHARDED_ROUNDS = 8
 
 
-def _rank_store(location: str | os.PathLike[str] | Store, store: Store, name: str, rank: int,
+def _rank_store(location: StoreOrPath, store: Store, name: str, rank: int,
                 options: dict[str, Any] | None) -> tuple[Store, str]:
     """Rank ``rank``'s chain of the sharded chain ``store`` at ``location``, and how messages
     name it. A URL's rank chain is opened as readers and writers open it (``memory://`` names
@@ -509,8 +508,8 @@ def _committed(commit: Commit | None, ranks: list[set[int]]) -> int | None:
     return max(steps) if steps else None
 
 
-def sync_sharded(src: str | os.PathLike[str] | Store, src_store: Store, src_name: str,
-                  dst: str | os.PathLike[str] | Store, *, progress: Progress | None, workers: int, break_lock: bool,
+def sync_sharded(src: StoreOrPath, src_store: Store, src_name: str,
+                  dst: StoreOrPath, *, progress: Progress | None, workers: int, break_lock: bool,
                   lock_wait: float, src_options: dict[str, Any] | None, dst_options: dict[str, Any] | None,
                   started: float) -> SyncReport:
     """:func:`sync` of a sharded chain (spec §20): see :class:`_ShardedSync`."""

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import unquote
 
 from ..errors import NotAChainError, UsageError
@@ -35,6 +35,10 @@ from .object import ObjectStore, ObjectStoreError, RetryPolicy
 OBJECT_SCHEMES = ("s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https")
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+#: Where a chain is, as the operations that open it take it: a path or URL, or an open store.
+StoreOrPath: TypeAlias = "str | os.PathLike[str] | Store"
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,7 @@ __all__ = [
     "FaultyStore",
     "LocalStore",
     "Location",
+    "StoreOrPath",
     "MemoryStore",
     "ObjectTooLargeError",
     "OBJECT_SCHEMES",
