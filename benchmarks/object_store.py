@@ -75,7 +75,7 @@ def _free_port() -> int:
 
 
 class Moto:
-    """``moto_server`` in a subprocess on 127.0.0.1 (the minimum of ``tests/s3server.py``)."""
+    """``moto_server`` in a subprocess on 127.0.0.1 (the minimum of ``tests/support/s3server.py``)."""
 
     def __init__(self) -> None:
         exe = Path(sys.executable).parent / "moto_server"

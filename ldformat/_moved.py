@@ -2,8 +2,9 @@
 
 The package was split into subpackages by concept (``format``, ``chain``, ``sharded``,
 ``export``). An import of an old module path returns the module at its new path, the same
-object, with a :class:`DeprecationWarning` that names the new path. Public names are imported
-from ``ldformat`` itself and never moved.
+object, with a :class:`DeprecationWarning` that names the new path. An old module whose names
+went to several new ones (:data:`SPLIT`) imports as a module that finds each name in them.
+Public names are imported from ``ldformat`` itself and never moved.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ MOVED: dict[str, str] = {
     "dcp": "export.dcp",
 }
 
+#: Old modules whose names left for more modules than the one in :data:`MOVED`.
+SPLIT: dict[str, tuple[str, ...]] = {
+    "log": ("chain.lock", "chain.commit"),
+    "jsonvalue": ("format.dtypes", "format.checksum", "stores.crc32c"),
+    "shards": ("format.dtensors",),
+}
+
 
 class _Alias(importlib.abc.Loader):
     def __init__(self, new: str) -> None:
@@ -54,10 +62,26 @@ class _Alias(importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         warnings.warn(f"{spec.name} moved to {self.new}; import it from there (or the public name from ldformat)",
                       DeprecationWarning, stacklevel=2)
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        others = SPLIT.get(spec.name.partition(".")[2])
+        return _Merged(spec.name, module, others) if others else module
 
     def exec_module(self, module: types.ModuleType) -> None:
         pass  # the module at the new path is already executed
+
+
+class _Merged(types.ModuleType):
+    """An old module whose names now live in several modules: each name from the first that has it."""
+
+    def __init__(self, name: str, main: types.ModuleType, others: Sequence[str]) -> None:
+        super().__init__(name, main.__doc__)
+        self._modules = [main] + [importlib.import_module(f"ldformat.{o}") for o in others]
+
+    def __getattr__(self, name: str) -> object:
+        for module in self._modules:
+            if hasattr(module, name):
+                return getattr(module, name)
+        raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
 
 
 class MovedModules(importlib.abc.MetaPathFinder):

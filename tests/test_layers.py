@@ -157,18 +157,28 @@ def test_old_module_paths_import_the_moved_modules() -> None:
     import sys
     import warnings
 
-    from ldformat._moved import MOVED
+    from ldformat._moved import MOVED, SPLIT
 
     for old, new in MOVED.items():
         sys.modules.pop(f"ldformat.{old}", None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             module = importlib.import_module(f"ldformat.{old}")
-        assert module is importlib.import_module(f"ldformat.{new}"), old
+        target = importlib.import_module(f"ldformat.{new}")
+        if old in SPLIT:  # every name of the new modules, from the one old path
+            for part in (target, *(importlib.import_module(f"ldformat.{o}") for o in SPLIT[old])):
+                names = [n for n in vars(part) if not n.startswith("__")]
+                assert all(getattr(module, n) is getattr(part, n) for n in names if n not in vars(target)), old
+        else:
+            assert module is target, old
         assert any(issubclass(w.category, DeprecationWarning) and f"ldformat.{new}" in str(w.message)
                    for w in caught), old
     # A public function that shares its name with an old module keeps its name on the package.
     assert callable(ldformat.compact) and callable(ldformat.validate)
+    from ldformat.log import current_lock as old_current_lock  # log.py went to records, lock and commit
+
+    from ldformat.chain.lock import current_lock
+    assert old_current_lock is current_lock
     # ``ldformat.sharded`` was a module and is a package now: its old names still resolve.
     from ldformat.chain.sharded_probe import is_sharded
     from ldformat.sharded.chain import ShardedReader

@@ -28,17 +28,19 @@ from ..errors import (
 from ..format.jsonvalue import MAX_LOCK_BYTES, parse_json
 from ..stores import Store
 from .records import (
-    LEASE_S,
     LEGACY_LOCK_FILE,
     LOCK_DIR,
     LOCK_NAME,
-    MAX_LEASE_S,
     create_or_lose,
     io_error,
     lock_path,
     numbered,
     read_bounded,
 )
+
+#: How long a held lock generation stays valid without renewal (spec §15.6).
+LEASE_S = 60.0
+MAX_LEASE_S = 86400.0
 
 
 # -- the writer lock ------------------------------------------------------------------------

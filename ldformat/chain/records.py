@@ -62,13 +62,6 @@ FOLD_ATTEMPTS = 5
 RecordType = Literal["append", "snapshot"]
 
 
-#: How long a held lock generation stays valid without renewal (spec §15.6).
-LEASE_S = 60.0
-
-
-MAX_LEASE_S = 86400.0
-
-
 def now() -> str:
     """The current UTC time as spec §5.4 writes it (millisecond precision, ``Z``)."""
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -242,8 +242,7 @@ def test_ldtools_materialize_replays_on_the_gpu(tmp_path: Path) -> None:
 # -- everywhere: the environment warning and the option's refusal --------------------------------
 def small_chain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str) -> Path:
     """A gradient chain whose root says it was recorded on ``device`` (trained on the CPU)."""
-    import ldformat.writer as writer_module
-
+    import ldformat.chain.writer as writer_module
     from ldformat.format.environment import current_environment
 
     monkeypatch.setattr(writer_module, "current_environment", lambda _device="cpu": current_environment(device))

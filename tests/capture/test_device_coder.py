@@ -2,7 +2,7 @@
 
 The device coder computes a ``state.xor`` row's values with torch ops where the tensors live
 (spec §11.3 ``sub`` and ``xor``, §11.3.1 ``adam.v`` and ``adam.w``); the host coder
-(``ldformat.delta.difference_delta``, ``ldformat.predict``, ``ldformat.state_delta.row_values``)
+(``ldformat.format.delta.difference_delta``, ``ldformat.format.predict``, ``ldformat.chain.state_delta.row_values``)
 with numpy. Every test compares integer views: the spec's test vectors, random bits full of
 NaNs (several payloads), infinities, subnormals and signed zeros for float32, bfloat16,
 float16 and int64, the predictions with random and with AdamW coefficients, absent inputs,
@@ -23,11 +23,11 @@ from paths import REPO
 
 from ldformat.capture import device_coder as dc
 from ldformat.chain.captured import CapturedTensor
+from ldformat.chain.state_delta import row_values, wanted_encodings
 from ldformat.format.delta import WIDTH_DTYPES, difference_delta
 from ldformat.format.manifest import Encoding
 from ldformat.format.predict import adam_coefficients, predict_parameter, predict_second_moment
 from ldformat.format.state import encode_param_groups
-from ldformat.state_delta import row_values, wanted_encodings
 
 SPEC = REPO / "spec" / "ldformat.md"
 CUDA = torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""The flight recorder: Checkpointer.log, ldformat.history, ldtools stats/diff/plot.
+"""The flight recorder: Checkpointer.log, ldformat.export.history, ldtools stats/diff/plot.
 
 Every number stats prints is checked against the same formula applied to live states saved
 during training: the replayed states are bit-identical, so the numbers are equal, not close.
@@ -16,18 +16,18 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-import ldformat.history
 import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 import ldformat
+import ldformat.export.history
 from ldformat.errors import UsageError
 from ldformat.export.history import SPIKE_THRESHOLD, SpikeDetector, diff_steps, group_of, rollback_step, step_history
 from ldtools.cli import cli
 
-# The live-state formulas run on one thread, as ldformat.history measures (reductions are
+# The live-state formulas run on one thread, as ldformat.export.history measures (reductions are
 # then the same whatever the machine's thread count).
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -74,7 +74,7 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 
 def _sq(t: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(t)) ** 2  # the formula of ldformat.history
+    return float(torch.linalg.vector_norm(t)) ** 2  # the formula of ldformat.export.history
 
 
 # -- Checkpointer.log -------------------------------------------------------------------------
@@ -161,8 +161,8 @@ def test_a_pool_of_threads_measures_the_same_numbers(recorded: dict[str, Any], m
     with ThreadPoolExecutor(2) as pool:
         submit = pool.submit
         monkeypatch.setattr(pool, "submit", lambda *a, **k: jobs.append(1) or submit(*a, **k))
-        monkeypatch.setattr(ldformat.history, "POOL_MIN_NUMEL", 1)  # every parameter goes to the pool
-        monkeypatch.setattr(ldformat.history, "_measure_pool", lambda: pool)
+        monkeypatch.setattr(ldformat.export.history, "POOL_MIN_NUMEL", 1)  # every parameter goes to the pool
+        monkeypatch.setattr(ldformat.export.history, "_measure_pool", lambda: pool)
         assert [s.to_dict() for s in step_history(str(recorded["chain"]), depth=2)] == inline
     assert len(jobs) == 4 * (STEPS + 1)  # four parameters a step
 
@@ -269,7 +269,7 @@ def test_diff_steps_and_chains(tmp_path: Path, recorded: dict[str, Any]) -> None
     b = {n: t.clone() for n, t in a.items()}
     b["model/2.bias"].view(-1)[0] += 1.0
     b["model/0.weight"].view(-1)[29] = -b["model/0.weight"].view(-1)[29]
-    found = {x.name: x for x in ldformat.history.diff_states(a, b)}
+    found = {x.name: x for x in ldformat.export.history.diff_states(a, b)}
     want = abs(float(b["model/2.bias"][0]) - float(a["model/2.bias"][0]))  # +1 rounded to float32
     assert found["model/2.bias"].first_index == 0 and found["model/2.bias"].max_abs == want
     assert found["model/0.weight"].first_index == 29 and found["model/0.weight"].changed_fraction == 1 / 72

@@ -5,7 +5,7 @@ being the schema's parameter elements together: a second-order statistic (a full
 preconditioner, Kronecker factors, blocks of them) is indexed by pairs of parameter elements.
 Readers up to 1.6's bounded these slots by P and refused every step of DASH, Shampoo, SOAP
 and Kron on a model whose widest dimension squared exceeds P. The properties here run the
-writer and check what it commits with the reader's own :func:`~ldformat.delta.check_slots`;
+writer and check what it commits with the reader's own :func:`~ldformat.format.delta.check_slots`;
 tests/capture/test_optimizer_matrix.py reads such chains back whole (``*@16`` entries), and
 tests/format/test_limits.py keeps the bound's refusal of hostile shapes.
 """

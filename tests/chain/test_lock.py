@@ -488,7 +488,7 @@ def test_lease_renewed_by_a_remote_holder_keeps_the_lock(tmp_path: Path) -> None
 
 
 def test_writer_renews_its_lease_at_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("ldformat.log.LEASE_S", 0.2)
+    monkeypatch.setattr("ldformat.chain.lock.LEASE_S", 0.2)
     path = tmp_path / "chain"
     model, optimizer = make_training()
     writer = ChainWriter.create(path, model, optimizer, kind="grad.dense", batch_steps=1)

@@ -61,7 +61,7 @@ def test_writer_refuses_a_record_readers_would_refuse(tmp_path: Path, monkeypatc
     make_chain(path)
     store = LocalStore(path)
     _, state = read_log(store, str(path))
-    monkeypatch.setattr("ldformat.log.MAX_RECORD_BYTES", 100)
+    monkeypatch.setattr("ldformat.chain.commit.MAX_RECORD_BYTES", 100)
     with pytest.raises(ldformat.ChainError, match="more than the 100 readers accept"):
         commit_record(store, str(path), state, None, type="append", reason="append")
     monkeypatch.undo()

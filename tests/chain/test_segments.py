@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import ldformat.snapshots
 import numpy as np
 import pytest
 import torch
@@ -30,6 +29,7 @@ from clirun import invoke
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
 import ldformat
+import ldformat.chain.snapshots
 from ldformat import (
     ChainReader,
     ChainWriter,
@@ -38,11 +38,11 @@ from ldformat import (
     MissingObjectError,
     TopK,
     UnsupportedVersionError,
+    compact,
     sync,
     truncate,
+    validate,
 )
-from ldformat.chain import maintenance as compact
-from ldformat.chain import validate
 from ldformat.chain.writer import SnapshotPolicy
 from ldformat.format.checksum import object_checksum, with_checksum
 from ldformat.format.jsonvalue import MAX_RECORD_BYTES, canonical
@@ -263,7 +263,7 @@ def test_a_batch_split_over_segment_entries(tmp_path: Path, monkeypatch: pytest.
     entries if need be (spec §7.9: a batch's steps may be split over segments; a segment is
     kept below 16 MiB by splitting); folding, truncating and compacting stay exact."""
     if target is not None:
-        monkeypatch.setattr(ldformat.snapshots, "SEGMENT_TARGET_BYTES", target)
+        monkeypatch.setattr(ldformat.chain.snapshots, "SEGMENT_TARGET_BYTES", target)
     path = tmp_path / "chain"
     t = Training(path, "state.xor", batch_steps=70, policy=None)
     t.train(1, 70)

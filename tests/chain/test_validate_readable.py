@@ -363,7 +363,7 @@ def test_unexpected_failure_inside_replay_names_the_step(pristine: Callable[[str
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The last line of defence: what the checks did not foresee still comes out as
     CorruptChainError naming the step, never as a raw exception."""
-    import ldformat.replay as replay
+    import ldformat.format.replay as replay
 
     def broken(*args: Any, **kwargs: Any) -> None:
         raise IndexError("boom")

@@ -11,9 +11,7 @@ import pytest
 import torch
 from models import TinyNet, assert_state_bits_equal, snapshot, train_step
 
-from ldformat import ChainReader, ChainWriter, TopK, truncate
-from ldformat.chain import maintenance as compact
-from ldformat.chain import validate
+from ldformat import ChainReader, ChainWriter, TopK, compact, truncate, validate
 from ldformat.chain.records import log_sequence_numbers, read_log
 from ldformat.chain.writer import SnapshotPolicy
 from ldformat.errors import WriterIOError

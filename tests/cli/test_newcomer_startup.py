@@ -69,7 +69,7 @@ def test_a_submodule_import_keeps_the_function_of_its_name() -> None:
 
     for name in ("compact", "validate", "truncate", "sync"):
         assert callable(getattr(ldformat, name)) and not isinstance(getattr(ldformat, name), types.ModuleType)
-    assert sys.modules["ldformat.compact"].compact is ldformat.compact
+    assert ldformat.compact is ldformat.api.compact and ldformat.validate is ldformat.api.validate
 
 
 # -- replay threads ----------------------------------------------------------------------------

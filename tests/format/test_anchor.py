@@ -111,7 +111,7 @@ CHILD = """
 import hashlib, sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_anchor import every_dtype
-from ldformat.anchor import encode_anchor
+from ldformat.format.anchor import encode_anchor
 print(hashlib.sha256(encode_anchor(every_dtype(), 7)).hexdigest())
 """
 

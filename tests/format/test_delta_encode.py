@@ -289,7 +289,7 @@ def test_writer_batches_match_reference(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(delta, "CHUNK_BYTES", 64)
     # The slots below are made up to exercise the encoder (names and dtypes no schema has), so the
     # writer's check that a reader would accept each slot is off here; the bytes are compared.
-    monkeypatch.setattr("ldformat.writer.check_slots", lambda *args: None)
+    monkeypatch.setattr("ldformat.chain.writer.check_slots", lambda *args: None)
     model = torch.nn.Linear(3, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     path = tmp_path / "chain"

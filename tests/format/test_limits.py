@@ -7,8 +7,8 @@ address space is limited (``RLIMIT_AS``) to what it uses after importing torch p
 control case), a decode that allocates what a hostile size declares does not. Every read must
 end in an ldformat error naming the file, never ``MemoryError`` or a traceback.
 
-The in-process tests cover each check of :func:`ldformat.delta.check_slots` and of
-:func:`ldformat.delta.decode_batch` on its own, and that decoding some rows of a batch agrees
+The in-process tests cover each check of :func:`ldformat.format.delta.check_slots` and of
+:func:`ldformat.format.delta.decode_batch` on its own, and that decoding some rows of a batch agrees
 with decoding all of them.
 """
 

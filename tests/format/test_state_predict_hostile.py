@@ -33,7 +33,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ldformat.writer
 import numpy as np
 import pytest
 import torch
@@ -43,6 +42,7 @@ from record_edit import edit_records, record_paths
 from torch import nn
 
 import ldformat
+import ldformat.chain.writer
 from ldformat import ChainReader, ChainWriter
 from ldformat.errors import CorruptChainError, UnsupportedStateError, UnsupportedVersionError
 from ldformat.format.checksum import object_checksum, with_checksum
@@ -512,12 +512,12 @@ def test_hostile_coefficients_replay_exactly(tmp_path: Path, monkeypatch: pytest
     """Spec §11.3.1: whether the prediction is right only changes the size of the values, so a
     writer may store any coefficients; replay stays exact (NaN results become +0.0)."""
     hostile = HOSTILE_COEFFICIENTS[name]
-    real = ldformat.writer.state_coefficients
+    real = ldformat.chain.writer.state_coefficients
 
     def coefficients(*args: Any, **kwargs: Any) -> dict[int, np.ndarray]:
         return {i: hostile.copy() for i in real(*args, **kwargs)}
 
-    monkeypatch.setattr(ldformat.writer, "state_coefficients", coefficients)
+    monkeypatch.setattr(ldformat.chain.writer, "state_coefficients", coefficients)
     path = tmp_path / "chain"
     refs, _, _ = write_chain(path, steps=5, batch_steps=2, model=HostileNet(), anchor_every=3)
     assert {"adam.v", "adam.w"} <= encodings_of(path)

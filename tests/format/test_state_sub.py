@@ -316,13 +316,13 @@ def test_prediction_keeps_subnormals_in_a_thread_that_flushes_them(tmp_path: Pat
 def test_a_failure_while_coding_a_row_stops_the_writer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The base may have moved on for part of the row: a retry of the step would code the rest
     against the wrong base, so the writer refuses every later call until the chain is reopened."""
-    import ldformat.state_delta
+    import ldformat.chain.state_delta
 
     path = tmp_path / "chain"
     writer, refs = _train_chain(path, "1.6", steps=2, batch_steps=1)
     model, opt = writer.model, writer.optimizer
     calls = {"n": 0}
-    real = ldformat.state_delta.predict_parameter
+    real = ldformat.chain.state_delta.predict_parameter
 
     def fail_on_second(*args: object, **kwargs: object) -> None:
         calls["n"] += 1
@@ -330,7 +330,7 @@ def test_a_failure_while_coding_a_row_stops_the_writer(tmp_path: Path, monkeypat
             raise MemoryError("simulated allocation failure")
         real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ldformat.state_delta, "predict_parameter", fail_on_second)
+    monkeypatch.setattr(ldformat.chain.state_delta, "predict_parameter", fail_on_second)
     train_step(model, opt, 3)
     with pytest.raises(ldformat.ChainError, match="coding step 3 failed.*MemoryError"):
         writer.record_step(3)
@@ -351,7 +351,7 @@ def test_adam_v_on_the_first_moment_is_refused() -> None:
 
 
 def test_by_parameter_groups_a_parameters_tensors_and_leaves_the_others_alone() -> None:
-    """What the row coder parallelizes over (ldformat.predict.by_parameter): a parameter's
+    """What the row coder parallelizes over (ldformat.format.predict.by_parameter): a parameter's
     weight and optimizer tensors in one group, the first index of a repeated name."""
     from ldformat.format.predict import by_parameter
 

@@ -294,7 +294,7 @@ class TaggedSGD(torch.optim.SGD):
 
 
 def test_dcp_export_of_an_ordinary_chain_with_non_tensor_state(tmp_path: Path) -> None:
-    """ldformat.dcp.export_dcp on an ordinary chain: non-tensor optimizer state and extra
+    """ldformat.export.dcp.export_dcp on an ordinary chain: non-tensor optimizer state and extra
     param-group keys round-trip through DCP into a fresh model and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -334,7 +334,7 @@ def test_dcp_export_of_an_ordinary_chain_with_non_tensor_state(tmp_path: Path) -
 
 # -- the flight recorder: stats, diff, plot ------------------------------------------------------
 def _sq(t: torch.Tensor) -> float:
-    # The formula of ldformat.history; every tensor of the chain is below torch's parallel
+    # The formula of ldformat.export.history; every tensor of the chain is below torch's parallel
     # grain, so the sum is one thread's, as history computes it, whatever the thread count.
     return float(torch.linalg.vector_norm(t)) ** 2
 

@@ -178,7 +178,7 @@ def check_partial(dst: Path, src_steps: list[int], truth: dict[int, dict[str, An
 def watch_commits(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, list[list[int]]]]:
     """Every commit record the replicator creates, with the steps each rank chain of the
     replica held just before: (replica, step, steps per rank chain)."""
-    import ldformat.replicate_sharded as replicate
+    import ldformat.sharded.replicate as replicate
 
     seen: list[tuple[str, int, list[list[int]]]] = []
     create = replicate.create_or_lose

@@ -90,7 +90,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 
 
 def load_into(model: nn.Module, optimizer: torch.optim.Optimizer, dcp_dir: str) -> None:
-    """What the docstring of ldformat.dcp tells a user to do."""
+    """What the docstring of ldformat.export.dcp tells a user to do."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,

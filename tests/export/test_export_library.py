@@ -24,7 +24,7 @@ import ldformat
 from ldformat import ChainInfo, OutputWriteError, chain_info, save_step, write_output
 from ldformat.export.files import WriteFailure, write_atomically
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parent.parent / "golden"
 STEPS, ANCHOR_EVERY = 6, 4
 
 
