@@ -115,7 +115,7 @@ def instrumented() -> Iterator[Phases]:
         (reader.ChainReader, "read_object", "delta objects: read + object crc32c"),
         (reader, "object_checksum", "  of which object crc32c"),
         (delta, "decode_batch", "delta decode (all of it)"),
-        (delta._ProfileArray, "decode_chunk", "  chunk crc32c + blosc decompress"),
+        (delta.ProfileArray, "decode_chunk", "  chunk crc32c + blosc decompress"),
         (numcodecs.Blosc, "decode", "    blosc decompress"),
         (delta, "_segments", "  segments (views)"),
         (delta, "dense_view", "to torch: dense_view"),

@@ -90,7 +90,7 @@ class CompactionPlan:
         }
 
 
-def _kept_steps(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
+def steps_to_keep(steps: list[int], keep_last: int | None, keep_every: int | None) -> list[int]:
     if keep_last is None and keep_every is None:
         return list(steps)
     if keep_last is not None and keep_last < 1:
@@ -152,15 +152,15 @@ def compact(
     refuse_sharded(path, store, storage_options, "compacted")
     reader = ChainReader(path, store=store, storage_options=storage_options)
     if dry_run:
-        plan = _compact(reader, None, max_replay, keep_last, keep_every, progress)
-        _stale_uploads(reader.store, storage_options, plan, abort=False)
+        plan = compact_chain(reader, None, max_replay, keep_last, keep_every, progress)
+        stale_uploads(reader.store, storage_options, plan, abort=False)
         return plan
     lock = WriterLock.acquire(reader.store, reader.path, break_lock=break_lock, wait_s=lock_wait)
     try:
         reader.records, reader.state = open_log_for_write(reader.store, reader.path, lock)
         aborted = CompactionPlan()
-        _stale_uploads(reader.store, storage_options, aborted, abort=True)  # before this writes anything
-        plan = _compact(reader, lock, max_replay, keep_last, keep_every, progress)
+        stale_uploads(reader.store, storage_options, aborted, abort=True)  # before this writes anything
+        plan = compact_chain(reader, lock, max_replay, keep_last, keep_every, progress)
         plan.aborted_uploads, plan.uploads_problem = aborted.aborted_uploads, aborted.uploads_problem
         return plan
     except (CorruptChainError, OSError):
@@ -170,7 +170,7 @@ def compact(
         lock.release()
 
 
-def _stale_uploads(store: Store, storage_options: dict[str, Any] | None, plan: CompactionPlan, *,
+def stale_uploads(store: Store, storage_options: dict[str, Any] | None, plan: CompactionPlan, *,
                    abort: bool) -> None:
     """List (and abort) the incomplete multipart uploads below an S3 chain into ``plan``."""
     from ..stores import uploads
@@ -197,7 +197,7 @@ def retain_from_newest_anchor(path: str, store: Store, lock: WriterLock,
     if not anchors or state.latest_step is None:
         return [], state
     keep_last = state.latest_step - max(anchors) + 1
-    plan = _compact(reader, lock, None, keep_last, None, None)
+    plan = compact_chain(reader, lock, None, keep_last, None, None)
     return plan.dropped_steps, reader.state
 
 
@@ -210,7 +210,7 @@ def _remove_garbage(reader: ChainReader, lock: WriterLock | None) -> list[str]:
     return [p for p in removed if not p.startswith(LOCK_DIR + "/")]
 
 
-def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | None, keep_last: int | None,
+def compact_chain(reader: ChainReader, lock: WriterLock | None, max_replay: int | None, keep_last: int | None,
              keep_every: int | None, progress: Callable[[str, int, int], None] | None,
              kept: list[int] | None = None) -> CompactionPlan:
     """Compact as ``lock``'s holder (a dry run without it); ``kept``, when given, are the
@@ -224,7 +224,7 @@ def _compact(reader: ChainReader, lock: WriterLock | None, max_replay: int | Non
     limit = max_replay if max_replay is not None else float("inf")
     steps = state.steps
     if kept is None:
-        kept = _kept_steps(steps, keep_last, keep_every)
+        kept = steps_to_keep(steps, keep_last, keep_every)
     plan.kept_steps = kept
     plan.dropped_steps = sorted(set(steps) - set(kept))
     depth: dict[int, int] = {}

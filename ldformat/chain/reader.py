@@ -207,7 +207,7 @@ class ChainReader:
         if path and self.kind.startswith("grad."):
             self._warn_environment()
         # The first batch loads in the background while the anchor is read.
-        batches = _Prefetcher(self, path)
+        batches = Prefetcher(self, path)
         try:
             replayer = self.start_replay(anchor_step)
             self.replay_steps(replayer, path, progress, batches)
@@ -253,7 +253,7 @@ class ChainReader:
         entry = self.state.anchors[anchor_step]
         where = f"{self.path}/{entry.object.path} (step {anchor_step})"
         tensors = self.load_anchor_tensors(anchor_step)
-        with _unexpected_as_corrupt(where):
+        with unexpected_as_corrupt(where):
             replayer = Replayer(self.root, tensors, entry.param_groups, entry.extra, optimizer=entry.optimizer,
                                 chain=self.path, device=self.replay_device)
             check_anchor(replayer.schema, entry, tensor_metas(tensors), where)
@@ -261,18 +261,18 @@ class ChainReader:
 
     def replay_steps(
         self, replayer: Replayer, steps: list[int], progress: Callable[[int, int], None] | None = None,
-        prefetch: _Prefetcher | None = None,
+        prefetch: Prefetcher | None = None,
     ) -> None:
         """Apply the deltas of ``steps`` (consecutive, in order) to ``replayer``."""
         own = prefetch is None
-        batches = _Prefetcher(self, steps) if prefetch is None else prefetch
+        batches = Prefetcher(self, steps) if prefetch is None else prefetch
         try:
             done = 0
             for entry, batch, items in batches:
                 slots = {slot.name: slot for slot in entry.slots}
                 for s, step_entry in items:
                     where = f"{self.path}/{entry.path} (step {s})"
-                    with _unexpected_as_corrupt(where):
+                    with unexpected_as_corrupt(where):
                         if self.kind == "state.xor":
                             replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
                         else:
@@ -357,7 +357,7 @@ def _unexpected(where: str, e: Exception) -> CorruptChainError:
 
 
 @contextlib.contextmanager
-def _unexpected_as_corrupt(where: str) -> Iterator[None]:
+def unexpected_as_corrupt(where: str) -> Iterator[None]:
     """Turn an exception that is not ldformat's (nor an I/O or memory error) into
     CorruptChainError naming ``where``: replay checks what it uses (ldformat.format.checks), so this
     only catches what those checks missed."""
@@ -393,7 +393,7 @@ _pools: dict[str, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
-def _shared_pool(name: str, workers: Callable[[], int]) -> ThreadPoolExecutor:
+def shared_pool(name: str, workers: Callable[[], int]) -> ThreadPoolExecutor:
     """The process-wide thread pool ``name``, made with ``workers()`` threads when first used."""
     with _pools_lock:
         pool = _pools.get(name)
@@ -404,13 +404,13 @@ def _shared_pool(name: str, workers: Callable[[], int]) -> ThreadPoolExecutor:
 
 def _fetcher() -> ThreadPoolExecutor:
     """The threads that fetch a batch's objects from an object store concurrently."""
-    return _shared_pool("fetch", lambda: FETCH_CONCURRENCY)
+    return shared_pool("fetch", lambda: FETCH_CONCURRENCY)
 
 
-def _decode_pool() -> ThreadPoolExecutor:
+def decode_pool() -> ThreadPoolExecutor:
     """The threads the chunks of a row decompress on (numcodecs releases the GIL): as many as
     torch's intra-op threads when first used."""
-    return _shared_pool("decode", lambda: max(1, torch.get_num_threads()))
+    return shared_pool("decode", lambda: max(1, torch.get_num_threads()))
 
 
 def _remote(store: Store) -> bool:
@@ -452,7 +452,7 @@ class _VerifiedObjects(Mapping[str, np.ndarray]):
         return len(self._refs)
 
 
-class _Prefetcher:
+class Prefetcher:
     """Yields, one step at a time, the decoded rows a replay of ``steps`` needs, decoding the
     next step's row in a background thread while the current one is replayed (decode
     overlaps optimizer steps or XOR). Each batch's objects are read and verified as its rows
@@ -487,7 +487,7 @@ class _Prefetcher:
             assert self._decoder is not None
             # XOR (numpy, one thread) leaves cores to decode on; an optimizer step runs torch's
             # intra-op threads, which a second decoding thread would only slow down.
-            pool = _decode_pool() if self._reader.kind == "state.xor" else None
+            pool = decode_pool() if self._reader.kind == "state.xor" else None
             return self._decoder.row(step_entry.row, pool)
         except CorruptChainError as e:
             # Name the step being replayed where the batch's own error names only the batch.

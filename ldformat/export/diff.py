@@ -20,7 +20,7 @@ from ..sharded.chain import ShardedReader, open_reader
 __all__ = ["TensorDiff", "diff_states", "diff_steps", "diff_tensor", "stored_tensors"]
 
 
-def _ratio(a: float, b: float) -> float:
+def change_ratio(a: float, b: float) -> float:
     return a / b if b > 0 else (0.0 if a == 0 else math.inf)
 
 
@@ -71,7 +71,7 @@ def diff_tensor(name: str, a: torch.Tensor, b: torch.Tensor) -> TensorDiff:
     fb = b.detach().reshape(-1).to(torch.float64) if not b.is_complex() else b.detach().reshape(-1).abs().double()
     d = fa - fb
     return TensorDiff(name=name, status="changed", dtype=dtype, shape=tuple(a.shape),
-                      max_abs=float(d.abs().max()), relative_norm=_ratio(float(d.norm()), float(fa.norm())),
+                      max_abs=float(d.abs().max()), relative_norm=change_ratio(float(d.norm()), float(fa.norm())),
                       changed_fraction=n / changed.numel(), first_index=first)
 
 

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 
-from ..chain.reader import ChainReader, _decode_pool, _Prefetcher, _shared_pool, _unexpected_as_corrupt
+from ..chain.reader import ChainReader, Prefetcher, decode_pool, shared_pool, unexpected_as_corrupt
 from ..errors import CorruptChainError, UsageError
 from ..format.checks import check_extra
 from ..format.jsonvalue import JSON, decode
@@ -33,7 +33,7 @@ from ..format.manifest import StepEntry
 from ..format.replay import Replayer
 from ..sharded.chain import ShardedReader, open_reader
 from ..sharded.layout import Layout, assemble
-from .diff import TensorDiff, _ratio, diff_states, diff_steps, diff_tensor, stored_tensors
+from .diff import TensorDiff, change_ratio, diff_states, diff_steps, diff_tensor, stored_tensors
 from .step_stats import SPIKE_MIN_HISTORY as SPIKE_MIN_HISTORY
 from .step_stats import (
     SPIKE_THRESHOLD,
@@ -115,7 +115,7 @@ class _Norms:
         groups = tuple(GroupStats(
             name=g, numel=int(a[0]), weight_norm=math.sqrt(a[1]),
             update_norm=math.sqrt(a[2]) if with_update else None,
-            relative_update=_ratio(math.sqrt(a[2]), math.sqrt(a[1])) if with_update else None,
+            relative_update=change_ratio(math.sqrt(a[2]), math.sqrt(a[1])) if with_update else None,
             v_mean=a[3] / a[5] if a[5] else None, v_max=a[4] if a[5] else None,
         ) for g, a in acc.items())
         w2 = sum(a[1] for a in acc.values())
@@ -151,7 +151,7 @@ def _measure_pool() -> ThreadPoolExecutor | None:
     """The threads parameters are measured on: as many as torch's intra-op threads (None for
     one: the calling thread measures). Call before :func:`_one_thread` sets them to 1."""
     workers = torch.get_num_threads()
-    return _shared_pool(f"measure-{workers}", lambda: workers) if workers > 1 else None
+    return shared_pool(f"measure-{workers}", lambda: workers) if workers > 1 else None
 
 
 def _sq(t: torch.Tensor) -> float:
@@ -259,7 +259,7 @@ def step_history(chain: str | os.PathLike[str] | ChainReader | ShardedReader, *,
                          f"..{steps[-1] if steps else '-'}); pick a range inside the chain")
     before = max((s for s in steps if s < wanted[0]), default=None)
     detectors = {"loss": SpikeDetector(), "relative_update": SpikeDetector()}
-    _decode_pool()  # sized by torch's thread count: before _one_thread ever sets it to 1
+    decode_pool()  # sized by torch's thread count: before _one_thread ever sets it to 1
     pool = _measure_pool()  # likewise
     if isinstance(reader, ShardedReader):
         history = _sharded_history(reader, wanted, before, depth, pool)
@@ -363,7 +363,7 @@ def _stream(reader: ChainReader, replayer: Replayer, run: list[int], cur: int | 
             ) -> Generator[_Frame | int, None, None]:
     """Apply the deltas of ``run`` (each based on the one before it) one by one."""
     prev = cur
-    batches = _Prefetcher(reader, run)
+    batches = Prefetcher(reader, run)
     try:
         for entry, batch, items in batches:
             slots = {slot.name: slot for slot in entry.slots}
@@ -371,7 +371,7 @@ def _stream(reader: ChainReader, replayer: Replayer, run: list[int], cur: int | 
                 where = f"{reader.path}/{entry.path} (step {s})"
                 if prev is not None and s != prev + 1:
                     yield from range(prev + 1, s)
-                with _unexpected_as_corrupt(where):
+                with unexpected_as_corrupt(where):
                     if reader.kind == "state.xor":
                         replayer.apply_xor_step(step_entry, batch.row(step_entry.row), slots, where)
                     else:
@@ -502,7 +502,7 @@ def _record(frame: _Frame, measured: tuple[float, float | None, tuple[GroupStats
         scalars = _scalars(a.extra, where)
         lrs = _lrs(None, a.param_groups, scalars, where)
     return StepStats(step=frame.step, anchor=anchor, since=frame.since, scalars=scalars, lrs=lrs, weight_norm=weight,
-                     update_norm=update, relative_update=_ratio(update, weight) if update is not None else None,
+                     update_norm=update, relative_update=change_ratio(update, weight) if update is not None else None,
                      groups=groups, bytes=nbytes)
 
 

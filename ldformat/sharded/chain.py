@@ -34,12 +34,12 @@ from .commits import (
     SHARDED_VERSION,
     Commit,
     ShardedRoot,
-    _product,
     commit_numbers,
     commit_path,
     copy_ranks,
     create_commit,
     create_sharded_root,
+    element_count,
     newest_commit,
     read_commit,
     read_commits,
@@ -293,7 +293,7 @@ def _residual(root: ShardedRoot, name: str, pieces: list[torch.Tensor], where: s
     shaped = {}
     for r, t in enumerate(pieces):
         shard = layout.of_rank(r)
-        if shard is None or t.numel() != _product(shard.lengths):
+        if shard is None or t.numel() != element_count(shard.lengths):
             raise CorruptChainError(f"{where} compressor/{name}: rank {r}'s residuals do not match its shard")
         shaped[r] = t.reshape(shard.lengths)
     return assemble(layout, shaped, f"{where} compressor/{name}").reshape(-1)

@@ -118,7 +118,7 @@ class ShardedRoot:
         mesh = require_object(d, "mesh", where)
         check_fields(mesh, {"shape", "dim_names"}, f"{where} mesh")
         shape = parse_shape(mesh.get("shape"), f"{where} mesh")
-        if not shape or any(n < 1 for n in shape) or _product(shape) != world:
+        if not shape or any(n < 1 for n in shape) or element_count(shape) != world:
             raise CorruptChainError(f"{where}: mesh shape {list(shape)} does not multiply to world_size {world}")
         names = mesh.get("dim_names")
         if names is not None and (not isinstance(names, list) or len(names) != len(shape)
@@ -179,7 +179,7 @@ def _copies(v: JSON, world: int, tensors: Mapping[str, Layout], where: str) -> d
     return out
 
 
-def _product(shape: tuple[int, ...]) -> int:
+def element_count(shape: tuple[int, ...]) -> int:
     out = 1
     for n in shape:
         out *= n

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..chain.commit import open_log_for_write
 from ..chain.lock import WriterLock
-from ..chain.maintenance import CompactionPlan, _compact, _kept_steps, _stale_uploads, truncate_locked
+from ..chain.maintenance import CompactionPlan, compact_chain, stale_uploads, steps_to_keep, truncate_locked
 from ..chain.reader import ChainReader, chain_name, open_store
 from ..chain.sharded_probe import RANKS_DIR, rank_location
 from ..errors import ChainLockedError, EmptyChainError, StepNotFoundError, UsageError
@@ -93,17 +93,17 @@ def compact_sharded(path: str | os.PathLike[str], *, max_replay: int | None = No
         raise UsageError("max_replay must be >= 0")
     if dry_run:
         chain = ShardedReader(path, storage_options=storage_options)
-        plans = {r: _compact(reader, None, max_replay, None, None, None, kept=_kept(chain, keep_last, keep_every))
+        plans = {r: compact_chain(reader, None, max_replay, None, None, None, kept=_kept(chain, keep_last, keep_every))
                  for r, reader in chain.ranks.items()}
         plan = _sum_up(chain.steps, plans)
-        _stale_uploads(chain.store, storage_options, plan, abort=False)
+        stale_uploads(chain.store, storage_options, plan, abort=False)
         return plan
     with every_rank_locked(path, storage_options, break_lock=break_lock, lock_wait=lock_wait) as held:
         chain = ShardedReader(path, storage_options=storage_options)
         kept = _kept(chain, keep_last, keep_every)
         aborted = CompactionPlan()
-        _stale_uploads(chain.store, storage_options, aborted, abort=True)  # before this writes anything
-        plans = {r: _compact(reader, lock, max_replay, None, None, _for_rank(progress, r, len(held)), kept=kept)
+        stale_uploads(chain.store, storage_options, aborted, abort=True)  # before this writes anything
+        plans = {r: compact_chain(reader, lock, max_replay, None, None, _for_rank(progress, r, len(held)), kept=kept)
                  for r, (reader, lock) in held.items()}
         plan = _sum_up(chain.steps, plans)
         plan.aborted_uploads, plan.uploads_problem = aborted.aborted_uploads, aborted.uploads_problem
@@ -113,7 +113,7 @@ def compact_sharded(path: str | os.PathLike[str], *, max_replay: int | None = No
 def _kept(chain: ShardedReader, keep_last: int | None, keep_every: int | None) -> list[int]:
     if not chain.steps:
         raise EmptyChainError(f"{chain.path}: the sharded chain has no committed step; nothing to compact")
-    return _kept_steps(chain.steps, keep_last, keep_every)
+    return steps_to_keep(chain.steps, keep_last, keep_every)
 
 
 def _for_rank(progress: Progress | None, rank: int, world: int) -> Progress | None:

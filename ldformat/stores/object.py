@@ -43,7 +43,7 @@ import numpy as np
 
 from ..errors import UsageError
 from .base import Part, Store, byte_view, check_relative_path, refuse_larger
-from .retry import RETRY_OPTION_KEYS, ObjectStoreError, RetryPolicy, _classify, _Failure, _first_line, _retry_policy
+from .retry import RETRY_OPTION_KEYS, Failure, ObjectStoreError, RetryPolicy, classify_failure, first_line, retry_policy
 
 if TYPE_CHECKING:
     from obstore import GetOptions
@@ -150,7 +150,7 @@ class ObjectStore(Store):
         options = dict(storage_options or {})
         env = {k: os.environ[f"LDFORMAT_{k.upper()}"] for k in RETRY_OPTION_KEYS
                if f"LDFORMAT_{k.upper()}" in os.environ}
-        self.retry = _retry_policy(_retry_policy(retry or RetryPolicy(), env, "environment"), options, self.url)
+        self.retry = retry_policy(retry_policy(retry or RetryPolicy(), env, "environment"), options, self.url)
         client = {k: options.pop(k) for k in list(options) if k in CLIENT_OPTION_KEYS}
         if client:  # obstore replaces the client options read from the environment: keep them
             prefix = _ENV_PREFIX.get(scheme)
@@ -169,7 +169,7 @@ class ObjectStore(Store):
             # ldformat knows of every attempt whose outcome is unknown (see the module doc).
             self._create_store = obstore.store.from_url(self.url, retry_config=no_retry, **kwargs)
         except Exception as e:
-            raise UsageError(f"{self.url}: cannot open this object store URL: {_first_line(e)}") from None
+            raise UsageError(f"{self.url}: cannot open this object store URL: {first_line(e)}") from None
         self._lock = threading.Lock()
         self._unsynced: set[str] = set()  # written by this handle, sync not yet asked for
         self._pool: ThreadPoolExecutor | None = None
@@ -209,7 +209,7 @@ class ObjectStore(Store):
             try:
                 return attempt(i)
             except Exception as e:
-                failure = _classify(e)
+                failure = classify_failure(e)
                 if failure is None:
                     raise
                 i += 1
@@ -222,7 +222,7 @@ class ObjectStore(Store):
                     self.retries[op] += 1
                 time.sleep(wait)
 
-    def _error(self, op: str, path: str, f: _Failure, tries: int, elapsed: float, what: str | None) -> OSError:
+    def _error(self, op: str, path: str, f: Failure, tries: int, elapsed: float, what: str | None) -> OSError:
         e = f.error
         url = self.url_of(path) if path else self.url
         verb = what or op

@@ -1,6 +1,6 @@
 """What an object store request's failure means, and how it is retried (spec §7.4 "Commit protocol").
 
-:func:`_classify` turns an exception from obstore into an errno, a summary for the message,
+:func:`classify_failure` turns an exception from obstore into an errno, a summary for the message,
 and whether the failure is transient; :class:`RetryPolicy` says how often and how long a
 transient one is retried; :class:`ObjectStoreError` is what the caller sees when the retries
 did not help. Which requests ldformat retries itself, and why, is in :mod:`.object`.
@@ -84,7 +84,7 @@ class RetryPolicy:
 
 
 @dataclass
-class _Failure:
+class Failure:
     """What went wrong in one attempt, in the terms the retry loop and the caller need."""
 
     errno: int
@@ -95,13 +95,13 @@ class _Failure:
     builder: bool = False  # obstore could not set up its HTTP client (a plain http:// endpoint not allowed)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line[:500]
 
 
-def _classify(e: BaseException) -> _Failure | None:
+def classify_failure(e: BaseException) -> Failure | None:
     """What an exception from obstore (or from a ranged read) means; None: not a storage error."""
     try:
         from obstore.exceptions import (
@@ -116,7 +116,7 @@ def _classify(e: BaseException) -> _Failure | None:
     if isinstance(e, (FileExistsError, UsageError)):
         return None  # already what the contract wants
     text = str(e)
-    first = _first_line(e)
+    first = first_line(e)
     # What failed, without obstore's preamble (request, URL, retry counts).
     detail = first.rsplit(" - ", 1)[-1].strip() if " - " in first else first
     lower = re.sub(r"retry_timeout: \S+", "", text).lower()
@@ -127,30 +127,30 @@ def _classify(e: BaseException) -> _Failure | None:
     code_match = _CODE.search(text)
     code = code_match.group(1) if code_match else None
     if "NoSuchBucket" in text:
-        return _Failure(errno.ENOENT, "the bucket does not exist (NoSuchBucket)", False, retried_inside, e)
+        return Failure(errno.ENOENT, "the bucket does not exist (NoSuchBucket)", False, retried_inside, e)
     if isinstance(e, FileNotFoundError):
-        return _Failure(errno.ENOENT, "no such object", False, retried_inside, e)
+        return Failure(errno.ENOENT, "no such object", False, retried_inside, e)
     if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or status in (401, 403):
-        return _Failure(errno.EACCES, f"HTTP {status or ''} {code or ''}".strip() + f" ({detail})", False,
+        return Failure(errno.EACCES, f"HTTP {status or ''} {code or ''}".strip() + f" ({detail})", False,
                         retried_inside, e)
     if isinstance(e, PreconditionError):  # a ranged read found the object replaced meanwhile
-        return _Failure(errno.EAGAIN, "the object changed while it was read", True, 0, e)
+        return Failure(errno.EAGAIN, "the object changed while it was read", True, 0, e)
     if isinstance(e, NotSupportedError):
-        return _Failure(errno.EOPNOTSUPP, f"not supported by this store ({detail})", False, retried_inside, e)
+        return Failure(errno.EOPNOTSUPP, f"not supported by this store ({detail})", False, retried_inside, e)
     described = f"HTTP {status}" + (f" {code}" if code else "") if status is not None else None
     if status in _TRANSIENT_STATUS:
         code_errno = errno.EAGAIN if status in (429, 503) else errno.EIO
-        return _Failure(code_errno, described or "", True, retried_inside, e)
+        return Failure(code_errno, described or "", True, retried_inside, e)
     if isinstance(e, (TimeoutError,)) or (status is None and any(w in lower for w in _TIMEOUT_WORDS)):
-        return _Failure(errno.ETIMEDOUT, f"timed out ({detail})", True, retried_inside, e)
+        return Failure(errno.ETIMEDOUT, f"timed out ({detail})", True, retried_inside, e)
     if isinstance(e, ConnectionError) or (status is None and any(w in lower for w in _CONNECTION_WORDS)):
-        return _Failure(errno.ECONNRESET, f"connection failed ({detail})", True, retried_inside, e)
+        return Failure(errno.ECONNRESET, f"connection failed ({detail})", True, retried_inside, e)
     if isinstance(e, (BaseError, OSError)):
-        return _Failure(errno.EIO, described or detail, False, retried_inside, e, "builder error" in lower)
+        return Failure(errno.EIO, described or detail, False, retried_inside, e, "builder error" in lower)
     return None
 
 
-def _retry_policy(policy: RetryPolicy, options: dict[str, Any], url: str) -> RetryPolicy:
+def retry_policy(policy: RetryPolicy, options: dict[str, Any], url: str) -> RetryPolicy:
     """``policy`` with the retry keys of ``options`` applied (and removed from ``options``)."""
     fields: dict[str, Any] = {}
     names = {"max_retries": "tries", "retry_timeout": "total", "retry_init_backoff": "initial_backoff",

@@ -231,11 +231,24 @@ def test_direct_decoder_matches_zarr(batch: Any, data: Any) -> None:
         objects = encode_batch(slots, rows, {"kind": "test"})
     first = data.draw(st.integers(0, len(rows) - 1))
     wanted = range(first, data.draw(st.integers(first + 1, len(rows))))
-    assert delta._profile_arrays(objects, "batch") is not None
+    assert delta.profile_arrays(objects, "batch") is not None
     direct = decode_batch(objects, tuple(slots), len(rows), "batch", wanted)
+    from ldformat.format.delta import decode as decode_module
+
+    real_checks, real_zarr, zarr_calls = decode_module.decode_batch_checks, decode_module._decode_with_zarr, []
+
+    def checks_then_zarr(*args: Any) -> None:  # every check, then the path taken for other codec chains
+        real_checks(*args)
+
+    def counted_zarr(*args: Any) -> Any:
+        zarr_calls.append(args)
+        return real_zarr(*args)
+
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(delta, "_profile_arrays", lambda objects, where: None)
+        mp.setattr(decode_module, "decode_batch_checks", checks_then_zarr)
+        mp.setattr(decode_module, "_decode_with_zarr", counted_zarr)
         via_zarr = decode_batch(objects, tuple(slots), len(rows), "batch", wanted)
+    assert zarr_calls, "the second decoding went through zarr"
     assert np.array_equal(direct.counts, via_zarr.counts)
     for r in wanted:
         a, b = direct.row(r), via_zarr.row(r)
@@ -261,7 +274,7 @@ def test_other_zarr_codecs_decode_through_zarr() -> None:
         zarr.create_array(store, name=name, data=arr, chunks=arr.shape, compressors=[GzipCodec(), Crc32cCodec()],
                           fill_value=0)
     objects = {k: v.to_bytes() for k, v in store._store_dict.items()}
-    assert delta._profile_arrays(objects, "batch") is None
+    assert delta.profile_arrays(objects, "batch") is None
     decoded = decode_batch(objects, slots, 1, "batch")
     assert decoded.row(0)["s0"][1].tobytes() == values.tobytes()
 

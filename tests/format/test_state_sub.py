@@ -107,7 +107,7 @@ def test_spec_prediction_vectors() -> None:
 @pytest.mark.parametrize("in_place", [False, True])
 def test_round_trip_at_every_width_across_chunks(monkeypatch: pytest.MonkeyPatch, width: type[np.generic],
                                                   in_place: bool) -> None:
-    monkeypatch.setattr(delta, "_SUB_CHUNK", 7)  # many chunks, and a partial last one
+    monkeypatch.setattr(delta, "SUB_CHUNK", 7)  # many chunks, and a partial last one
     rng = np.random.default_rng(int(np.dtype(width).itemsize))
     top = 2 ** (8 * np.dtype(width).itemsize)
     base = rng.integers(0, top, size=100, dtype=width)

@@ -25,7 +25,6 @@ import sys
 import types
 
 from . import arith, decode, encode, profile, slots
-from .arith import _SUB_CHUNK as _SUB_CHUNK
 from .arith import (
     SIGNED_NP,
     WIDTH_DTYPES,
@@ -41,6 +40,7 @@ from .arith import (
     undifference,
     xor_into,
 )
+from .arith import SUB_CHUNK as SUB_CHUNK
 from .decode import DecodedBatch, RowDecoder, decode_batch, decode_batch_checks
 from .encode import (
     ArrayEncoder,
@@ -63,8 +63,8 @@ from .profile import (
     VALUE_CODECS,
     BloscOptions,
 )
-from .profile import _profile_arrays as _profile_arrays
-from .profile import _ProfileArray as _ProfileArray
+from .profile import ProfileArray as ProfileArray
+from .profile import profile_arrays as profile_arrays
 from .slots import OPTIMIZER_SLOT_FLOOR, PREDICTED, check_slots, optimizer_slot_bound
 
 __all__ = [
@@ -83,7 +83,7 @@ _MODULES = (arith, profile, slots, encode, decode)
 class _Package(types.ModuleType):
     """Setting a name here sets it in every module of the package that holds it.
 
-    The tunables (``CHUNK_BYTES``, ``_SUB_CHUNK``) are read by the modules that use them, as
+    The tunables (``CHUNK_BYTES``, ``SUB_CHUNK``) are read by the modules that use them, as
     they were by the one module this package was: ``monkeypatch.setattr(delta, "CHUNK_BYTES",
     64)`` must still change the chunks the encoder writes.
     """

@@ -102,7 +102,7 @@ def xor_into(target: torch.Tensor, seg: Segment) -> None:
 # -- difference coding (slot encoding ``sub``, spec §11.3) -----------------------------------
 # Elements per pass: chunks of 128 Ki elements stay in the L2 cache, so the subtraction, the
 # base update and the zigzag cost about the memory traffic of the two XORs they replace.
-_SUB_CHUNK = 1 << 17
+SUB_CHUNK = 1 << 17
 _SIGNED_WIDTH: dict[int, type[np.int8 | np.int16 | np.int32 | np.int64]] = {
     1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -129,15 +129,15 @@ def difference_delta(bits: np.ndarray, base: np.ndarray | None, out: np.ndarray)
     ``bits``. Flat unsigned arrays of one width; ``out`` may be ``bits`` (then ``bits`` is
     overwritten). ``base`` None: the tensor appears, and is coded against all-zero bits."""
     n = bits.shape[0]
-    tmp = np.empty(min(n, _SUB_CHUNK), bits.dtype)
+    tmp = np.empty(min(n, SUB_CHUNK), bits.dtype)
     copy = out is not bits
-    for i in range(0, n, _SUB_CHUNK):
-        b, o = bits[i:i + _SUB_CHUNK], out[i:i + _SUB_CHUNK]
+    for i in range(0, n, SUB_CHUNK):
+        b, o = bits[i:i + SUB_CHUNK], out[i:i + SUB_CHUNK]
         if base is None:
             if copy:
                 np.copyto(o, b)
         else:
-            a = base[i:i + _SUB_CHUNK]
+            a = base[i:i + SUB_CHUNK]
             np.subtract(b, a, out=o)  # o = d (wraps mod 2^W)
             np.add(a, o, out=a)  # a + d = the new bits, whether or not o is b
         _zigzag_chunk(o, tmp[: o.shape[0]])
@@ -151,10 +151,10 @@ def undifference(values: np.ndarray, out: np.ndarray, accumulate: bool) -> None:
         raise ValueError(f"difference of {n} elements applied to a tensor of {out.shape[0]}")
     width = WIDTH_DTYPES[values.dtype.itemsize]
     values, out = values.view(width), out.view(width)
-    tmp = np.empty(min(n, _SUB_CHUNK), width)
-    dec = np.empty(min(n, _SUB_CHUNK), width) if accumulate else None
-    for i in range(0, n, _SUB_CHUNK):
-        z, o = values[i:i + _SUB_CHUNK], out[i:i + _SUB_CHUNK]
+    tmp = np.empty(min(n, SUB_CHUNK), width)
+    dec = np.empty(min(n, SUB_CHUNK), width) if accumulate else None
+    for i in range(0, n, SUB_CHUNK):
+        z, o = values[i:i + SUB_CHUNK], out[i:i + SUB_CHUNK]
         if dec is None:
             _unzigzag_chunk(z, o, tmp[: z.shape[0]])
         else:

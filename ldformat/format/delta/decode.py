@@ -22,15 +22,15 @@ from ...errors import CorruptChainError
 from ..manifest import SlotInfo
 from .arith import WIDTH_DTYPES, Segment
 from .profile import (
-    _MAX_ARRAY_ELEMENTS,
+    MAX_ARRAY_ELEMENTS,
     MAX_COUNTS,
     MAX_SPARSE_INDEX,
-    _array_metadata,
-    _check_bounded,
-    _check_listed,
-    _ProfileArray,
+    ProfileArray,
+    array_metadata,
+    check_bounded,
+    check_listed,
 )
-from .slots import _NP_DTYPES
+from .slots import NP_DTYPES
 
 
 @dataclass
@@ -50,7 +50,7 @@ class DecodedBatch:
 def _slot_widths(slots: tuple[SlotInfo, ...], where: str = "batch") -> np.ndarray:
     widths = []
     for s in slots:
-        dtype = _NP_DTYPES.get(s.dtype) if isinstance(s.dtype, str) else None
+        dtype = NP_DTYPES.get(s.dtype) if isinstance(s.dtype, str) else None
         if dtype is None:
             raise CorruptChainError(f"{where}: slot {s.name} has dtype {s.dtype!r}, not one of spec §5.6.4")
         widths.append(np.dtype(dtype).itemsize)
@@ -85,7 +85,7 @@ def decode_batch(
     wanted = range(rows) if wanted is None else wanted
     arrays = decode_batch_checks(objects, slots, rows, where, wanted)
     if arrays is None:
-        counts, data = _decode_with_zarr(objects, _array_metadata(objects, where), slots, rows, where, wanted)
+        counts, data = _decode_with_zarr(objects, array_metadata(objects, where), slots, rows, where, wanted)
     else:
         counts, data = _decode_profile(arrays, objects, slots, rows, where, wanted)
     return DecodedBatch(slots=slots, counts=counts, segments=_segments(data, counts, slots, wanted, where))
@@ -114,7 +114,7 @@ class RowDecoder:
         if follows is not None and follows.buffers == self.buffers:
             self._buffers, self._turn = follows._buffers, follows._turn
         self._whole: DecodedBatch | None = None
-        self._arrays: dict[str, _ProfileArray] = {}
+        self._arrays: dict[str, ProfileArray] = {}
         first = decode_batch_checks(objects, slots, rows, where, wanted)  # decode_batch's checks
         if first is None:
             self._whole = decode_batch(objects, slots, rows, where, wanted)
@@ -150,7 +150,7 @@ class RowDecoder:
 
 
 def decode_batch_checks(objects: Mapping[str, bytes | np.ndarray], slots: tuple[SlotInfo, ...], rows: int,
-                        where: str, wanted: range) -> dict[str, _ProfileArray] | None:
+                        where: str, wanted: range) -> dict[str, ProfileArray] | None:
     """The checks :func:`decode_batch` makes before decoding anything; the arrays if all are in
     the 1.0 codec chain, else None."""
     if wanted.step != 1 or not 0 <= wanted.start <= wanted.stop <= rows:
@@ -159,7 +159,7 @@ def decode_batch_checks(objects: Mapping[str, bytes | np.ndarray], slots: tuple[
     if rows * max(1, len(slots)) > MAX_COUNTS:
         raise CorruptChainError(f"{where}: {rows} rows of {len(slots)} slots exceed the {MAX_COUNTS} counts a batch "
                                 "may have (spec §10.5)")
-    metadata = _array_metadata(objects, where)
+    metadata = array_metadata(objects, where)
     counts_meta = metadata.get("counts")
     if counts_meta is None:
         raise CorruptChainError(f"{where}: counts array missing")
@@ -167,7 +167,7 @@ def decode_batch_checks(objects: Mapping[str, bytes | np.ndarray], slots: tuple[
         raise CorruptChainError(f"{where}: counts has shape {list(counts_meta.shape)}, expected [{rows}, "
                                 f"{len(slots)}] (spec §10.5)")
     for name, array in metadata.items():
-        _check_listed(name, array.grid, objects, where)
+        check_listed(name, array.grid, objects, where)
     return metadata if all(a.profile for a in metadata.values()) else None
 
 
@@ -191,7 +191,7 @@ def _check_counts(counts: np.ndarray, rows: int, slots: tuple[SlotInfo, ...], wh
                                 f"of shape {list(slot.shape)} (spec §10.5)")
 
 
-def _check_lengths(metadata: Mapping[str, _ProfileArray], counts: np.ndarray, slots: tuple[SlotInfo, ...],
+def _check_lengths(metadata: Mapping[str, ProfileArray], counts: np.ndarray, slots: tuple[SlotInfo, ...],
                    where: str) -> None:
     """Each 1-D array holds exactly the elements the counts of all rows give (spec §10.5)."""
     present = np.maximum(counts, 0)
@@ -199,7 +199,7 @@ def _check_lengths(metadata: Mapping[str, _ProfileArray], counts: np.ndarray, sl
     sparse = np.array([s.encoding == "sparse" for s in slots], dtype=bool)
     for name, columns in [(f"values_u{w * 8}", widths == w) for w in WIDTH_DTYPES] + [("indices", sparse)]:
         part = present[:, columns] if len(slots) else np.zeros((0, 0), np.int64)
-        if float(part.sum(dtype=np.float64)) > _MAX_ARRAY_ELEMENTS:
+        if float(part.sum(dtype=np.float64)) > MAX_ARRAY_ELEMENTS:
             raise CorruptChainError(f"{where}: the counts give {name} more than 2^48 elements")
         total = int(part.sum())
         array = metadata.get(name)
@@ -210,7 +210,7 @@ def _check_lengths(metadata: Mapping[str, _ProfileArray], counts: np.ndarray, sl
                 f"{total} (spec §10.5)")
 
 
-def _decode_profile(arrays: dict[str, _ProfileArray], objects: Mapping[str, bytes | np.ndarray],
+def _decode_profile(arrays: dict[str, ProfileArray], objects: Mapping[str, bytes | np.ndarray],
                     slots: tuple[SlotInfo, ...], rows: int, where: str,
                     wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     counts = arrays["counts"].read(objects, None, where, None)
@@ -227,7 +227,7 @@ def _decode_profile(arrays: dict[str, _ProfileArray], objects: Mapping[str, byte
     return counts, data
 
 
-def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], metadata: dict[str, _ProfileArray],
+def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], metadata: dict[str, ProfileArray],
                       slots: tuple[SlotInfo, ...], rows: int, where: str,
                       wanted: range) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     proto = default_buffer_prototype()
@@ -239,7 +239,7 @@ def _decode_with_zarr(objects: Mapping[str, bytes | np.ndarray], metadata: dict[
                 data = objects[k]
                 name = k.split("/", 1)[0]
                 if k.startswith(f"{name}/c/") and name in metadata:
-                    _check_bounded(metadata[name], data, k, where)
+                    check_bounded(metadata[name], data, k, where)
                 store._store_dict[k] = proto.buffer.from_array_like(np.frombuffer(data, np.uint8))
 
     try:

@@ -22,7 +22,7 @@ from ...errors import UsageError
 from ..jsonvalue import JSONObject
 from ..manifest import SlotInfo
 from .arith import WIDTH_DTYPES, Segment
-from .profile import CHUNK_BYTES, COUNT_CODECS, INDEX_CODECS, VALUE_CODECS, BloscOptions, _create
+from .profile import CHUNK_BYTES, COUNT_CODECS, INDEX_CODECS, VALUE_CODECS, BloscOptions, create_profile_array
 
 
 def default_encode_threads() -> int:
@@ -247,10 +247,10 @@ class BatchEncoder:
         arrays += [(f"values_u{w * 8}", e) for w, e in sorted(self._values.items()) if e.size]
         store = MemoryStore({})
         zarr.open_group(store, mode="w", attributes={"ldformat": attributes})
-        _create(store, "counts", counts.shape, counts.dtype, COUNT_CODECS, counts)
+        create_profile_array(store, "counts", counts.shape, counts.dtype, COUNT_CODECS, counts)
         chunks: dict[str, bytes] = {}
         for name, encoder in arrays:
-            _create(store, name, (encoder.size,), encoder.dtype, encoder.codec)  # metadata only
+            create_profile_array(store, name, (encoder.size,), encoder.dtype, encoder.codec)  # metadata only
             chunks.update(encoder.finish(name))
         self._values, self._indices = {}, None
         return {**{key: buf.to_bytes() for key, buf in store._store_dict.items()}, **chunks}

@@ -2,7 +2,7 @@
 
 What a writer writes: the metadata and codec chain of each array (``bytes`` -> ``blosc`` ->
 ``crc32c``, ``CHUNK_BYTES`` chunks) with its blosc settings. What a reader accepts: the
-metadata of a group and its arrays, strictly parsed (:class:`_ProfileArray`), the codec chains
+metadata of a group and its arrays, strictly parsed (:class:`ProfileArray`), the codec chains
 whose decompressed sizes can be bounded before decompressing, every chunk listed, and the
 sizes a batch may have.
 """
@@ -60,10 +60,10 @@ MAX_COUNTS = 1 << 24
 # Indices are stored as uint32 gaps, and every index is below 2^32 (spec §10.1).
 MAX_SPARSE_INDEX = 1 << 32
 # Per array, the elements all rows of a batch hold together (a sanity bound: 2^48 elements).
-_MAX_ARRAY_ELEMENTS = 1 << 48
+MAX_ARRAY_ELEMENTS = 1 << 48
 
 
-def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: np.dtype, codec: BloscOptions,
+def create_profile_array(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: np.dtype, codec: BloscOptions,
             data: np.ndarray | None = None) -> None:
     """Create an array in ``store``: its metadata, and its chunks if ``data`` is given."""
     width = np.dtype(dtype).itemsize
@@ -89,7 +89,7 @@ def _create(store: MemoryStore, name: str, shape: tuple[int, ...], dtype: np.dty
         )
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def shape_numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -111,12 +111,12 @@ _PROFILE_DTYPES = {"uint8": "<u1", "uint16": "<u2", "uint32": "<u4", "uint64": "
 _BOUNDED_CODECS = {"bytes", "transpose", "crc32c", "blosc", "gzip", "zstd"}
 
 
-def _is_count(x: object) -> TypeGuard[int]:
+def is_count(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 63
 
 
 @dataclass
-class _ProfileArray:
+class ProfileArray:
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
@@ -130,10 +130,10 @@ class _ProfileArray:
 
     @property
     def chunk_bytes(self) -> int:
-        return _numel(self.chunks) * self.dtype.itemsize
+        return shape_numel(self.chunks) * self.dtype.itemsize
 
     @classmethod
-    def parse(cls, name: str, raw: bytes | np.ndarray, where: str) -> _ProfileArray:
+    def parse(cls, name: str, raw: bytes | np.ndarray, where: str) -> ProfileArray:
         """The array's metadata, strictly parsed and checked for the array ``name`` (spec §10.2)."""
         key = f"{name}/zarr.json"
         meta: JSON = parse_json(np.asarray(raw, np.uint8).tobytes() if isinstance(raw, np.ndarray) else raw,
@@ -152,10 +152,10 @@ class _ProfileArray:
         chunks = conf.get("chunk_shape") if isinstance(conf, dict) else None
         if not isinstance(grid, dict) or grid.get("name") != "regular" or not isinstance(chunks, list):
             raise bad("the chunk grid is not a regular grid")
-        shape_t = tuple(s for s in shape if _is_count(s)) if isinstance(shape, list) else ()
+        shape_t = tuple(s for s in shape if is_count(s)) if isinstance(shape, list) else ()
         if not isinstance(shape, list) or len(shape_t) != len(shape):
             raise bad(f"shape {shape!r} is not a list of non-negative integers")
-        chunks_t = tuple(c for c in chunks if _is_count(c))
+        chunks_t = tuple(c for c in chunks if is_count(c))
         if len(chunks) != len(shape) or len(chunks_t) != len(chunks) or not all(
                 1 <= c <= max(1, s) for c, s in zip(chunks_t, shape_t, strict=False)):
             raise bad(f"chunk shape {chunks!r} does not fit shape {shape}: every chunk dimension is at least 1 "
@@ -190,7 +190,7 @@ class _ProfileArray:
         buf = np.frombuffer(data, np.uint8)
         if buf.shape[0] < 4 or google_crc32c.extend(0, buf[:-4]) != int.from_bytes(buf[-4:].tobytes(), "little"):
             raise CorruptChainError(f"{where}: chunk {key} fails its crc32c codec check")
-        n = _numel(self.chunks)
+        n = shape_numel(self.chunks)
         _check_blosc_frame(buf[:-4], n * self.dtype.itemsize, key, where)
         if out is not None:  # the header declared exactly the chunk's size: blosc writes nothing past it
             if out.dtype != self.dtype or out.size != n or not out.flags.c_contiguous or not out.flags.writeable:
@@ -284,7 +284,7 @@ def _zstd_content_size(frame: bytes) -> int | None:
     return int.from_bytes(frame[pos : pos + size], "little") + (256 if size == 2 else 0)
 
 
-def _check_bounded(array: _ProfileArray, data: bytes | np.ndarray, key: str, where: str) -> None:
+def check_bounded(array: ProfileArray, data: bytes | np.ndarray, key: str, where: str) -> None:
     """Undo the bytes-to-bytes codecs of a chunk with every output bounded (zarr path; spec §10.2).
 
     The innermost output must be exactly the chunk's size, every other at most twice that plus
@@ -327,7 +327,7 @@ def _check_bounded(array: _ProfileArray, data: bytes | np.ndarray, key: str, whe
         raise CorruptChainError(f"{where}: chunk {key} holds {len(buf)} bytes, expected {expected}")
 
 
-def _array_metadata(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, _ProfileArray]:
+def array_metadata(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, ProfileArray]:
     """Every array of the group, its metadata strictly parsed and checked (spec §10.2)."""
     if "zarr.json" not in objects:
         raise CorruptChainError(f"{where}: the group metadata zarr.json is not listed (spec §10.2)")
@@ -344,20 +344,21 @@ def _array_metadata(objects: Mapping[str, bytes | np.ndarray], where: str) -> di
         if len(parts) != 2 or parts[0] not in _ARRAY_DTYPES:
             raise CorruptChainError(f"{where}: {key} is not the metadata of a batch array (a batch holds only "
                                     f"{', '.join(_ARRAY_DTYPES)}; spec §10.2)")
-        arrays[parts[0]] = _ProfileArray.parse(parts[0], objects[key], where)
+        arrays[parts[0]] = ProfileArray.parse(parts[0], objects[key], where)
     return arrays
 
 
-def _profile_arrays(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, _ProfileArray] | None:
+def profile_arrays(objects: Mapping[str, bytes | np.ndarray], where: str) -> dict[str, ProfileArray] | None:
     """Every array of the group, if all use the 1.0 codec chain (else None: decode with zarr)."""
-    arrays = _array_metadata(objects, where)
+    arrays = array_metadata(objects, where)
     return arrays if all(a.profile for a in arrays.values()) else None
 
 
-def _check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, object], where: str) -> None:
+def check_listed(name: str, grid: tuple[int, ...], objects: Mapping[str, object], where: str) -> None:
     # Zarr would read an unlisted (missing) chunk as fill value: refuse it (spec §10.2).
-    if _numel(grid) > len(objects):  # before enumerating a grid a hostile shape makes huge
-        raise CorruptChainError(f"{where}: {name} has {_numel(grid)} chunks; the commit record lists {len(objects)} "
+    chunks = shape_numel(grid)
+    if chunks > len(objects):  # before enumerating a grid a hostile shape makes huge
+        raise CorruptChainError(f"{where}: {name} has {chunks} chunks; the commit record lists {len(objects)} "
                                 "objects in all")
     for coords in np.ndindex(*grid):
         key = f"{name}/c/" + "/".join(map(str, coords))

@@ -12,10 +12,10 @@ from ...errors import CorruptChainError
 from ..jsonvalue import JSON
 from ..manifest import Encoding, SlotInfo
 from ..predict import COEFFICIENTS as PREDICT_COEFFICIENTS
-from .profile import _is_count, _numel
+from .profile import is_count, shape_numel
 
 # -- slot bounds (spec §10.3) ---------------------------------------------------------------
-_NP_DTYPES: dict[str, type[np.generic]] = {
+NP_DTYPES: dict[str, type[np.generic]] = {
     "bool": np.uint8, "uint8": np.uint8, "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
     "float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "float64": np.float64,
     # format 1.2: their bits, by width
@@ -57,15 +57,15 @@ def _schema_tables(schema: JSON) -> tuple[dict[str, tuple[str, tuple[int, ...]]]
         if e.get("alias_of") is not None:
             continue
         shape, dtype = e.get("shape"), e.get("dtype")
-        dims = tuple(d for d in shape if _is_count(d)) if isinstance(shape, list) else ()
+        dims = tuple(d for d in shape if is_count(d)) if isinstance(shape, list) else ()
         if not isinstance(shape, list) or len(dims) != len(shape) or not _shape_ok(dims):
             raise CorruptChainError(f"{where}: schema.model entry {name!r} has a malformed shape {shape!r}")
-        if dtype not in _NP_DTYPES or not isinstance(dtype, str):
+        if dtype not in NP_DTYPES or not isinstance(dtype, str):
             raise CorruptChainError(f"{where}: schema.model entry {name!r} has dtype {dtype!r}, "
                                     "not one of spec §5.6.4")
         entries[name] = (dtype, dims)
         if e.get("role") == "parameter":
-            total += _numel(dims)
+            total += shape_numel(dims)
     for p in params:
         if p not in entries:
             raise CorruptChainError(f"{where}: schema.optimizer.params names {p!r}, which is not a stored "
@@ -112,7 +112,7 @@ def check_slots(slots: tuple[SlotInfo, ...], schema: JSON, kind: str, where: str
         if name in seen:
             raise CorruptChainError(f"{bad} appears twice in the batch (spec §10.3)")
         seen.add(name)
-        if slot.dtype not in _NP_DTYPES:
+        if slot.dtype not in NP_DTYPES:
             raise CorruptChainError(f"{bad} has dtype {slot.dtype!r}, not one of spec §5.6.4")
         space, _, rest = name.partition("/")
         encodings = allowed.get(space)
